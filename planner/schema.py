@@ -1,0 +1,280 @@
+"""The plan: what the planner writes, the service stores and the executor applies.
+
+A plan is plain data (pydantic v2) so that it round-trips exactly through JSON and
+has a JSON Schema (`meshplan schema`, or `docs/plan.schema.json`).  Placements are
+written the way people read them: ``R`` (replicate), ``S(d)`` (shard tensor dim d),
+``P`` (partial sum), one per mesh dim, in mesh-dim order.
+
+Repeated layers are written once with a pattern: ``*`` stands for exactly one
+dotted path component (``model.layers.*.mlp.up_proj.weight``).  The most specific
+pattern wins when several match (fewest ``*``, then longest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+SCHEMA_VERSION = "1.0"
+
+PLACEMENT_RE = r"^(R|P|S\((0|[1-9][0-9]*)\))$"
+Placement = Annotated[str, StringConstraints(pattern=PLACEMENT_RE)]
+DataParallelMode = Literal["replicate", "fully_shard"]
+Checkpointing = Literal["none", "selective", "full"]
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+def shard_dim(placement: str) -> int | None:
+    """The tensor dim of ``S(d)``, else None."""
+    return int(placement[2:-1]) if placement.startswith("S(") else None
+
+
+def pattern_matches(pattern: str, fqn: str) -> bool:
+    """``*`` matches exactly one dotted component; everything else literally."""
+    p, f = pattern.split("."), fqn.split(".")
+    return len(p) == len(f) and all(a == "*" or a == b for a, b in zip(p, f))
+
+
+def fqn_pattern(fqn: str) -> str:
+    """The pattern a parameter of a repeated layer is written under (digits -> ``*``)."""
+    return ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+
+
+def _specificity(pattern: str) -> tuple[int, int]:
+    return (-pattern.count("*"), len(pattern))
+
+
+class MeshDim(_Strict):
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$", description="dim name: dp, tp, pp, ...")
+    size: int = Field(ge=1)
+
+
+class Mesh(_Strict):
+    """Device mesh.  Ranks are laid out row-major: the last dim holds adjacent ranks,
+    so it is the one kept inside a node."""
+
+    dims: list[MeshDim] = Field(min_length=1)
+    device_type: Literal["cuda", "cpu"] = "cuda"
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Mesh:
+        names = [d.name for d in self.dims]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mesh dim names must be unique, got {names}")
+        return self
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(d.size for d in self.dims)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.dims)
+
+    @property
+    def devices(self) -> int:
+        n = 1
+        for d in self.dims:
+            n *= d.size
+        return n
+
+    def size_of(self, name: str) -> int:
+        return next((d.size for d in self.dims if d.name == name), 1)
+
+
+class ParameterPlacement(_Strict):
+    fqn: str = Field(description="parameter FQN or pattern with * per repeated component")
+    placements: list[Placement] = Field(description="one placement per mesh dim")
+
+
+class ModuleLayout(_Strict):
+    """Where the plan reshards activations at a module boundary (sequence parallel).
+
+    ``input``: placements the module's first tensor input is redistributed to before
+    its forward; ``output``: placements its output is redistributed to after it.
+    """
+
+    module: str
+    input: list[Placement] | None = None
+    output: list[Placement] | None = None
+
+
+class DataParallelDim(_Strict):
+    dim: str
+    mode: DataParallelMode
+
+
+class PipelineStage(_Strict):
+    index: int = Field(ge=0)
+    modules: list[str] = Field(description="module FQNs this stage runs, in order")
+    predicted_time_s: float | None = Field(default=None, ge=0)
+
+
+class Pipeline(_Strict):
+    dim: str = "pp"
+    schedule: Schedule
+    virtual_stages: int = Field(default=1, ge=1, description="stages per pp rank")
+    stages: list[PipelineStage] = Field(min_length=1)
+
+
+class TimeBreakdown(_Strict):
+    step_time_s: float = Field(ge=0)
+    compute_s: float = Field(ge=0)
+    communication_s: float = Field(ge=0, description="all communication, overlapped or not")
+    exposed_communication_s: float = Field(ge=0)
+    resharding_s: float = Field(default=0.0, ge=0)
+    pipeline_bubble_s: float = Field(default=0.0, ge=0)
+    optimizer_s: float = Field(default=0.0, ge=0)
+
+
+class MemoryBreakdown(_Strict):
+    """Bytes per device (the most loaded device)."""
+
+    parameters: int = Field(ge=0)
+    gradients: int = Field(ge=0)
+    optimizer: int = Field(ge=0)
+    activations: int = Field(ge=0)
+    total: int = Field(ge=0)
+    capacity: int = Field(ge=0)
+    fits: bool
+
+
+class Prediction(_Strict):
+    time: TimeBreakdown
+    memory: MemoryBreakdown
+    tokens_per_s_per_device: float = Field(ge=0)
+    mfu: float = Field(ge=0)
+
+
+class Alternative(_Strict):
+    mesh: dict[str, int]
+    step_time_s: float | None = Field(description="None when no feasible plan exists")
+    peak_memory_bytes: int | None = None
+    fits: bool
+    note: str = ""
+
+
+class SolverStats(_Strict):
+    solver: str
+    status: str
+    variables: int = Field(ge=0)
+    constraints: int = Field(ge=0)
+    solve_time_s: float = Field(ge=0)
+    total_time_s: float = Field(ge=0)
+    objective: float
+    gap: float | None = Field(default=None, description="relative optimality gap, 0 = optimal")
+    unsupported_ops: dict[str, int] = Field(
+        default_factory=dict, description="aten ops with no sharding rule, replicated; count"
+    )
+    alternatives: list[Alternative] = Field(default_factory=list)
+
+
+class Fingerprint(_Strict):
+    """Parameter names and shapes of the planned model, grouped by pattern."""
+
+    params: dict[str, list[int]] = Field(description="pattern -> shape")
+    counts: dict[str, int] = Field(description="pattern -> how many parameters it stands for")
+    digest: str
+
+    @classmethod
+    def of(cls, named_shapes: Iterable[tuple[str, Iterable[int]]]) -> Fingerprint:
+        params: dict[str, list[int]] = {}
+        counts: dict[str, int] = {}
+        for fqn, shape in named_shapes:
+            pat, shp = fqn_pattern(fqn), [int(s) for s in shape]
+            key = pat if params.get(pat, shp) == shp else fqn  # layers of unequal shape
+            params[key] = shp
+            counts[key] = counts.get(key, 0) + 1
+        body = json.dumps([params, counts], sort_keys=True).encode()
+        return cls(params=params, counts=counts, digest=hashlib.sha256(body).hexdigest()[:16])
+
+    def mismatches(self, other: Fingerprint) -> list[str]:
+        """Human-readable differences, one per offending parameter pattern."""
+        out = []
+        for k in sorted(set(self.params) | set(other.params)):
+            if k not in other.params:
+                out.append(f"{k}: in the plan, not in the model")
+            elif k not in self.params:
+                out.append(f"{k}: in the model, not in the plan")
+            elif self.params[k] != other.params[k]:
+                out.append(f"{k}: plan shape {self.params[k]}, model shape {other.params[k]}")
+            elif self.counts[k] != other.counts[k]:
+                out.append(f"{k}: plan has {self.counts[k]} such parameters, model {other.counts[k]}")
+        return out
+
+
+class Plan(_Strict):
+    schema_version: Literal["1.0"] = SCHEMA_VERSION
+    model: str = Field(description="preset name, config path or model class")
+    profile: str
+    devices: int = Field(ge=1)
+    batch_size: int = Field(ge=1, description="global batch in sequences")
+    seq_len: int = Field(ge=1)
+    mesh: Mesh
+    parameters: list[ParameterPlacement]
+    modules: list[ModuleLayout] = Field(default_factory=list)
+    data_parallel: list[DataParallelDim] = Field(default_factory=list)
+    pipeline: Pipeline | None = None
+    microbatches: int = Field(default=1, ge=1)
+    activation_checkpointing: Checkpointing = "none"
+    prediction: Prediction
+    fingerprint: Fingerprint
+    solver: SolverStats
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Plan:
+        if self.mesh.devices != self.devices:
+            raise ValueError(f"mesh: {self.mesh.shape} has {self.mesh.devices} devices, devices={self.devices}")
+        ndim = len(self.mesh.dims)
+        for p in self.parameters:
+            if len(p.placements) != ndim:
+                raise ValueError(f"parameters: {p.fqn} has {len(p.placements)} placements for a {ndim}-D mesh")
+            if "P" in p.placements:
+                raise ValueError(f"parameters: {p.fqn} cannot be Partial")
+        for m in self.modules:
+            for pl in (m.input, m.output):
+                if pl is not None and len(pl) != ndim:
+                    raise ValueError(f"modules: {m.module} has {len(pl)} placements for a {ndim}-D mesh")
+        names = set(self.mesh.names)
+        for d in self.data_parallel:
+            if d.dim not in names:
+                raise ValueError(f"data_parallel: unknown mesh dim {d.dim!r}")
+        if self.pipeline is not None and self.pipeline.dim not in names:
+            raise ValueError(f"pipeline.dim: unknown mesh dim {self.pipeline.dim!r}")
+        return self
+
+    # -- (de)serialisation ------------------------------------------------------
+    def to_json(self, indent: int | None = 2) -> str:
+        return self.model_dump_json(indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Plan:
+        return cls.model_validate_json(text)
+
+    # -- lookups ------------------------------------------------------------------
+    def placement_for(self, fqn: str) -> list[str] | None:
+        """Placements of parameter ``fqn``: its most specific matching entry."""
+        hits = [p for p in self.parameters if pattern_matches(p.fqn, fqn)]
+        if not hits:
+            return None
+        return list(max(hits, key=lambda p: _specificity(p.fqn)).placements)
+
+    def layout_for(self, module: str) -> ModuleLayout | None:
+        hits = [m for m in self.modules if pattern_matches(m.module, module)]
+        return max(hits, key=lambda m: _specificity(m.module)) if hits else None
+
+    def dp_mode(self, dim: str) -> DataParallelMode | None:
+        return next((d.mode for d in self.data_parallel if d.dim == dim), None)
+
+
+def plan_json_schema() -> dict:
+    return Plan.model_json_schema()

@@ -1,0 +1,269 @@
+"""Tracer: unchanged model -> torch.export (non-strict, meta tensors) -> networkx graph.
+
+Why only a few layers are exported: a decoder's layers are the same subgraph up to
+names, so exporting ``TRACED_LAYERS`` of them, checking that they really are equal
+(the per-layer signature of ops, shapes and relative module paths), and recording
+how many the real model has keeps tracing time flat in depth (llama3-405b traces as
+fast as llama3-8b).  When the traced layers differ, the whole model is exported
+instead, so the shortcut never silently misdescribes a model.
+
+Node attributes (every call_function node):
+    op            aten op name ("aten.linear.default")
+    in_shapes     shapes of the tensor arguments, in argument order
+    in_nodes      names of the producer node of each tensor argument (None for constants)
+    shape, dtype  the (first) tensor output
+    itemsize      bytes per output element
+    fwd_flops, bwd_flops, bytes   FLOPs of forward / backward, bytes read + written
+    params        {argument position: parameter FQN} for direct parameter inputs
+    module        owning module path (innermost of ``nn_module_stack``)
+    layer         layer index or None outside the repeated layers
+Graph attributes: model, layers (real count), traced_layers, layer_prefix, batch_size,
+seq_len, param_shapes (every parameter of the real model, FQN -> shape), dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx, nn
+from transformers import PretrainedConfig
+
+from planner.presets import ConfigError, build_model, load_config, model_name
+
+TRACED_LAYERS = 2
+_LAYER_RE = re.compile(r"^(?P<prefix>.*?\.(?:layers|h))\.(?P<idx>\d+)(?:\.|$)")
+
+# Ops that only reinterpret memory: no FLOPs, no traffic.
+_VIEW_OPS = {
+    "view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand",
+    "slice", "select", "alias", "t", "split", "chunk", "unbind", "detach", "_assert_tensor_metadata",
+    "getitem", "lift_fresh_copy",
+}
+# Backward FLOPs as a multiple of forward: matmuls need dX and dW (2x); attention
+# recomputes nothing in this count and needs dQ, dK, dV from 4 matmuls (2x);
+# elementwise ops need about one pass.
+_BWD_FACTOR = {"linear": 2.0, "mm": 2.0, "addmm": 2.0, "bmm": 2.0, "matmul": 2.0,
+               "scaled_dot_product_attention": 2.0, "grouped_mm_fallback": 2.0,
+               "embedding": 0.0}
+
+
+def _layer_of(module: str) -> tuple[str, int] | None:
+    m = _LAYER_RE.match(module)
+    return (m["prefix"], int(m["idx"])) if m else None
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+def _short(op: str) -> str:
+    parts = op.split(".")
+    return parts[1] if parts[0] == "aten" and len(parts) > 1 else op.split(".")[-1]
+
+
+def _tensors(val: Any) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _matmul_flops(short: str, ins: list[torch.Tensor], out: torch.Tensor | None, node: fx.Node,
+                  causal_lm: bool) -> float:
+    """Forward FLOPs of the ops that dominate training (2 per multiply-add).
+
+    Written here because export's training IR keeps aten.linear and
+    aten.scaled_dot_product_attention, which torch.utils.flop_counter does not cover.
+    """
+    if out is None:
+        return 0.0
+    if short in ("linear", "mm", "addmm", "bmm", "matmul", "baddbmm"):
+        weight = ins[1] if short in ("linear", "mm", "bmm", "matmul") else ins[2]
+        k = weight.shape[-1] if short == "linear" else weight.shape[-2]
+        return 2.0 * out.numel() * k
+    if short == "scaled_dot_product_attention":
+        q, k = ins[0], ins[1]
+        batch_heads = math.prod(q.shape[:-2])
+        flops = 4.0 * batch_heads * q.shape[-2] * k.shape[-2] * q.shape[-1]
+        # A causal LM's mask is causal even where HF materialises it for export; causal
+        # kernels (flash, cuDNN) skip the masked half, which is what training runs.
+        causal = causal_lm or node.kwargs.get("is_causal", False)
+        return flops / 2 if causal else flops
+    if short == "grouped_mm_fallback":  # MoE experts: every routed token row x its expert
+        x, w = ins[0], ins[1]
+        return 2.0 * x.shape[0] * w.shape[-1] * w.shape[-2]
+    return 0.0
+
+
+@dataclass
+class _Export:
+    program: torch.export.ExportedProgram
+    layers: int
+
+
+def _export(model: nn.Module, batch_size: int, seq_len: int) -> torch.export.ExportedProgram:
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    kwargs = {"use_cache": False} if hasattr(model, "config") else {}
+    try:
+        return torch.export.export(model, (ids,), kwargs, strict=False)
+    except Exception as e:  # torch.export raises many unrelated types; report one line
+        raise ConfigError(f"model: torch.export failed on {type(model).__name__}: {str(e).splitlines()[0]}") from e
+
+
+def _num_layers(config: PretrainedConfig) -> int:
+    return int(getattr(config, "num_hidden_layers", None) or config.n_layer)
+
+
+def _truncated(config: PretrainedConfig, layers: int) -> PretrainedConfig:
+    small = config.__class__.from_dict(config.to_dict())
+    small.name_or_path = config.name_or_path
+    if hasattr(small, "n_layer"):
+        small.n_layer = layers
+    small.num_hidden_layers = layers
+    if getattr(small, "layer_types", None):
+        small.layer_types = small.layer_types[:layers]
+    return small
+
+
+def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False) -> nx.DiGraph:
+    """The export graph as a networkx DiGraph with per-node costs (see module doc)."""
+    sig = program.graph_signature
+    param_of = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    graph = nx.DiGraph()
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            graph.add_node(node.name, kind="placeholder", op="placeholder",
+                           param=param_of.get(node.name),
+                           is_param=node.name in sig.inputs_to_parameters,
+                           shape=tuple(val.shape) if isinstance(val, torch.Tensor) else (),
+                           dtype=str(val.dtype) if isinstance(val, torch.Tensor) else "",
+                           itemsize=val.element_size() if isinstance(val, torch.Tensor) else 0,
+                           module="", layer=None, fwd_flops=0.0, bwd_flops=0.0, bytes=0.0)
+            continue
+        if node.op != "call_function":
+            continue
+        op = _op_name(node)
+        short = _short(op)
+        arg_nodes = [a for a in node.all_input_nodes]
+        ins = [t for a in node.args for t in (_tensors(a.meta.get("val")) if isinstance(a, fx.Node) else [])]
+        in_nodes = [a.name for a in node.args if isinstance(a, fx.Node)
+                    and _tensors(a.meta.get("val"))]
+        outs = _tensors(node.meta.get("val"))
+        out = outs[0] if outs else None
+        stack = node.meta.get("nn_module_stack") or {}
+        module = list(stack.values())[-1][0] if stack else ""
+        layer = _layer_of(module)
+        fwd = _matmul_flops(short, ins, out, node, causal_lm)
+        if short in _VIEW_OPS or not outs:
+            nbytes = 0.0
+        else:
+            nbytes = float(sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs))
+            if fwd == 0.0 and short != "embedding":
+                fwd = float(sum(t.numel() for t in outs))  # one FLOP per output element
+        params = {i: param_of[a.name] for i, a in enumerate(node.args)
+                  if isinstance(a, fx.Node) and a.name in sig.inputs_to_parameters}
+        graph.add_node(
+            node.name, kind="call_function", op=op, short=short,
+            in_shapes=[tuple(t.shape) for t in ins], in_nodes=in_nodes,
+            shape=tuple(out.shape) if out is not None else (),
+            dtype=str(out.dtype) if out is not None else "",
+            itemsize=out.element_size() if out is not None else 0,
+            out_numel=sum(t.numel() for t in outs),
+            fwd_flops=fwd, bwd_flops=fwd * _BWD_FACTOR.get(short, 1.0), bytes=nbytes,
+            params=params, module=module, layer=layer[1] if layer else None,
+        )
+        for a in arg_nodes:
+            if a.name in graph:
+                val = a.meta.get("val")
+                nb = sum(_nbytes(t) for t in _tensors(val))
+                graph.add_edge(a.name, node.name, bytes=nb)
+    return graph
+
+
+def layer_signature(graph: nx.DiGraph, layer: int, prefix: str) -> tuple:
+    """Ops, shapes and relative module paths of one layer, in graph order."""
+    base = f"{prefix}.{layer}"
+    return tuple(
+        (d["op"], d["shape"], tuple(d["in_shapes"]), d["module"][len(base):])
+        for _, d in graph.nodes(data=True)
+        if d["kind"] == "call_function" and d["layer"] == layer
+    )
+
+
+def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_size: int = 1,
+          seq_len: int = 2048) -> nx.DiGraph:
+    """Trace ``model`` (preset, config.json path, HF config dict/object, or nn.Module)."""
+    if batch_size <= 0:
+        raise ConfigError(f"batch_size: must be positive, got {batch_size}")
+    if seq_len <= 0:
+        raise ConfigError(f"seq_len: must be positive, got {seq_len}")
+    name = model_name(model)
+    if isinstance(model, nn.Module):
+        full, exported, layers = model, model, None
+    else:
+        config = load_config(model)
+        max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if max_pos and seq_len > max_pos:
+            raise ConfigError(f"seq_len: {seq_len} exceeds the model's {max_pos} positions")
+        layers = _num_layers(config)
+        full = build_model(config, "meta")
+        exported = build_model(_truncated(config, min(layers, TRACED_LAYERS)), "meta")
+    causal_lm = getattr(getattr(exported, "config", None), "is_decoder", False) or hasattr(
+        exported, "generate")
+    graph = build_graph(_export(exported, batch_size, seq_len), causal_lm)
+    prefixes = {_layer_of(d["module"])[0] for _, d in graph.nodes(data=True)
+                if d["kind"] == "call_function" and _layer_of(d["module"])}
+    prefix = prefixes.pop() if len(prefixes) == 1 else None
+    traced = len({d["layer"] for _, d in graph.nodes(data=True) if d["layer"] is not None})
+    if prefix and layers and layers > traced and traced >= 2:
+        sigs = {layer_signature(graph, i, prefix) for i in range(traced)}
+        if len(sigs) != 1:  # layers differ: export the whole model instead
+            graph = build_graph(_export(full, batch_size, seq_len), causal_lm)
+            traced = layers
+    graph.graph.update(
+        model=name, layers=layers or traced, traced_layers=traced, layer_prefix=prefix,
+        batch_size=batch_size, seq_len=seq_len,
+        param_shapes={n: tuple(p.shape) for n, p in full.named_parameters()},
+        dtype=str(next(full.parameters()).dtype),
+    )
+    return graph
+
+
+def layer_weight(graph: nx.DiGraph, node: str) -> int:
+    """How many real nodes a traced node stands for (repeated layers count many)."""
+    g = graph.graph
+    if graph.nodes[node].get("layer") is None or g["traced_layers"] == g["layers"]:
+        return 1
+    # The traced layers stand for all: split the real count among them evenly.
+    return g["layers"] // g["traced_layers"] + (graph.nodes[node]["layer"] < g["layers"] % g["traced_layers"])
+
+
+def totals(graph: nx.DiGraph) -> dict[str, float]:
+    """Whole-model figures (repeated layers counted as often as the model has them)."""
+    fwd = bwd = nbytes = 0.0
+    nodes = 0
+    for n, d in graph.nodes(data=True):
+        if d["kind"] != "call_function":
+            continue
+        w = layer_weight(graph, n)
+        fwd += w * d["fwd_flops"]
+        bwd += w * d["bwd_flops"]
+        nbytes += w * d["bytes"]
+        nodes += w
+    return {"fwd_flops": fwd, "bwd_flops": bwd, "train_flops": fwd + bwd, "bytes": nbytes,
+            "nodes": nodes}
