@@ -192,7 +192,26 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False) 
                 val = a.meta.get("val")
                 nb = sum(_nbytes(t) for t in _tensors(val))
                 graph.add_edge(a.name, node.name, bytes=nb)
+    _mark_saved(graph)
     return graph
+
+
+# Ops whose backward needs an input's value: autograd saves those inputs.  Adds,
+# casts, negation, concatenation and views need none, so what feeds only them is
+# not kept (this is how the Korthikanti et al. per-layer count is built up).
+_SAVES_INPUTS = {"linear", "addmm", "mm", "bmm", "matmul", "mul", "div", "pow", "rsqrt", "silu",
+                 "gelu", "tanh", "sigmoid", "softmax", "_softmax", "scaled_dot_product_attention",
+                 "layer_norm", "native_layer_norm", "grouped_mm_fallback", "exp", "log",
+                 "dropout", "index", "gather"}
+
+
+def _mark_saved(graph: nx.DiGraph) -> None:
+    """``saved``: some backward needs this value, directly or through views of it."""
+    for n in reversed(list(nx.topological_sort(graph))):
+        succ = [graph.nodes[c] for c in graph.successors(n)]
+        graph.nodes[n]["saved"] = any(
+            c.get("short") in _SAVES_INPUTS or (c.get("short") in _VIEW_OPS and c["saved"])
+            for c in succ)
 
 
 def layer_signature(graph: nx.DiGraph, layer: int, prefix: str) -> tuple:

@@ -1,0 +1,200 @@
+"""The placement ILP, solved with PuLP (HiGHS where installed, else CBC).
+
+Formulation (units and choices from ``planner.strategies``):
+
+    x[u,c] in {0,1}     unit u (anchor or segment) takes choice c;  sum_c x[u,c] = 1
+    z[t,l] in {0,1}     tensor t is needed in layout l by some consumer:
+                        x[v,c] <= z[t, in_layout(v,c)]  for every consumer v of t
+    w[t,s,l] >= 0       t is produced in layout s and needed in l (linearised AND):
+                        w[t,s,l] >= sum_{c: out(c)=s} x[producer(t),c] + z[t,l] - 1
+    minimise  sum x[u,c] (compute + gradient sync + FSDP gathers)
+            + sum w[t,s,l] * reshard(t, s -> l)             (forward + backward)
+    s.t.      sum x[u,c] (weights + grads + optimizer + in-flight activations)
+                  <= usable memory per device              (bytes, not counts)
+              tied parameters take one placement across their uses
+              user pins remove the choices that contradict them.
+
+Repeated layers share variables: units and tensors are keyed by their counterpart
+in the first traced layer, with costs multiplied by how many real layers they
+stand for.  One reshard per (tensor, layout) is paid however many consumers need it
+(z), which is what the executor does at module boundaries.  Communication is
+summed as if exposed here; ``planner.search`` composes the chosen solution with
+``cost_model.step`` (overlap, bubble) for the reported step time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import networkx as nx
+import pulp
+
+from cost_model.comm import redistribute_cost
+from planner.strategies import Choice, Context, Unit, concrete
+
+
+class InfeasibleError(ValueError):
+    """No choice assignment fits in memory (or the pins leave none)."""
+
+
+@dataclass
+class Solution:
+    choice: dict[str, Choice]  # unit key -> chosen choice
+    objective: float
+    status: str
+    solver: str
+    variables: int
+    constraints: int
+    solve_time_s: float
+    gap: float | None
+    reshard_s: float  # forward + backward resharding per step of the chosen layouts
+    edges: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = field(default_factory=list)
+
+
+@dataclass
+class Tensor:
+    key: str  # canonical producer node
+    producer: str  # unit key
+    shape: tuple[int, ...]  # one global micro-batch
+    itemsize: int
+    weight: float  # real tensors this canonical one stands for
+    consumers: set[str] = field(default_factory=set)  # unit keys
+
+
+def tensors(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dict[str, str],
+            canon: dict[str, str]) -> dict[str, Tensor]:
+    """Activation tensors that cross a unit boundary, keyed canonically."""
+    from planner.tracer import layer_weight
+
+    out: dict[str, Tensor] = {}
+    counted: set[str] = set()
+    for u, v in graph.edges:
+        if u not in unit_of or v not in unit_of or unit_of[u] == unit_of[v]:
+            continue
+        d = graph.nodes[u]
+        key = canon[u]
+        t = out.get(key)
+        if t is None:
+            shape = (d["shape"][0] * ctx.microbatch,) + tuple(d["shape"][1:]) if d["shape"] else ()
+            t = out[key] = Tensor(key, unit_of[u], shape, ctx.act_itemsize, 0.0)
+        if u not in counted:
+            t.weight += layer_weight(graph, u)
+            counted.add(u)
+        t.consumers.add(unit_of[v])
+    return out
+
+
+def reshard_s(ctx: Context, t: Tensor, src: tuple[str, ...], dst: tuple[str, ...]) -> float:
+    """Seconds per step to move ``t`` from semantic layout ``src`` to ``dst``, fwd + bwd."""
+    if src == dst:
+        return 0.0
+    s = [concrete(x, t.shape, ctx.seq_len) for x in src]
+    d = [concrete(x, t.shape, ctx.seq_len) for x in dst]
+    if None in s or None in d or not t.shape:
+        return math.inf
+    try:
+        cost = redistribute_cost(ctx.profile, ctx.mesh_shape, s, d, t.shape, t.itemsize)
+    except ValueError:  # a transition DTensor cannot perform (e.g. S -> P)
+        return math.inf
+    return cost.total_s * ctx.microbatches
+
+
+def _solver(time_limit_s: float | None) -> tuple[pulp.LpSolver, str]:
+    kwargs = {"msg": False}
+    if time_limit_s:
+        kwargs["timeLimit"] = time_limit_s
+    highs = pulp.HiGHS(**kwargs)
+    if highs.available():
+        return highs, "HiGHS"
+    return pulp.PULP_CBC_CMD(**kwargs), "CBC"
+
+
+def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
+          memory_budget: float, tied: dict[str, list[str]] | None = None,
+          time_limit_s: float | None = None) -> Solution:
+    """Solve the ILP above; raises InfeasibleError with the memory the best layout needs."""
+    t0 = time.perf_counter()
+    for u in units.values():
+        if not u.choices:
+            raise InfeasibleError(f"no valid placement for {u.kind} {u.key} ({u.module or 'model'})")
+    prob = pulp.LpProblem("placement", pulp.LpMinimize)
+    x = {k: [pulp.LpVariable(f"x_{i}_{j}", cat="Binary") for j in range(len(u.choices))]
+         for i, (k, u) in enumerate(units.items())}
+    objective = []
+    for k, u in units.items():
+        prob += pulp.lpSum(x[k]) == 1
+        objective += [v * (c.compute_s + c.grad_sync_s + c.gather_s) for v, c in zip(x[k], u.choices)]
+    for ti, t in enumerate(tensor_map.values()):
+        prod = units[t.producer]
+        needed: dict[tuple[str, ...], pulp.LpVariable] = {}
+        for cons in sorted(t.consumers):
+            cu = units[cons]
+            for v, c in zip(x[cons], cu.choices):
+                lay = c.inp if cu.kind == "anchor" else c.out
+                if lay not in needed:
+                    needed[lay] = pulp.LpVariable(f"z_{ti}_{len(needed)}", cat="Binary")
+                prob += v <= needed[lay]
+        by_src: dict[tuple[str, ...], list] = defaultdict(list)
+        for v, c in zip(x[t.producer], prod.choices):
+            by_src[c.out].append(v)
+        for si, (src, vs) in enumerate(by_src.items()):
+            for li, (lay, z) in enumerate(needed.items()):
+                cost = reshard_s(ctx, t, src, lay) * t.weight
+                if cost == 0.0:
+                    continue
+                if math.isinf(cost):  # impossible pair: forbid it
+                    prob += pulp.lpSum(vs) + z <= 1
+                    continue
+                w = pulp.LpVariable(f"w_{ti}_{si}_{li}", lowBound=0)
+                prob += w >= pulp.lpSum(vs) + z - 1
+                objective.append(cost * w)
+    prob += pulp.lpSum(objective)
+    mem = [v * (sum(c.state) + c.act_bytes) for k, u in units.items() for v, c in zip(x[k], u.choices)]
+    prob += pulp.lpSum(mem) <= memory_budget, "memory"
+    for param, keys in (tied or {}).items():
+        first, *rest = keys
+        placements = {c.weights[param] for c in units[first].choices}
+        for other in rest:
+            for pl in placements:
+                prob += (pulp.lpSum(v for v, c in zip(x[first], units[first].choices) if c.weights[param] == pl)
+                         == pulp.lpSum(v for v, c in zip(x[other], units[other].choices) if c.weights.get(param) == pl))
+    solver, name = _solver(time_limit_s)
+    t1 = time.perf_counter()
+    prob.solve(solver)
+    solve_time = time.perf_counter() - t1
+    status = pulp.LpStatus[prob.status]
+    values = {k: [v.value() or 0.0 for v in vs] for k, vs in x.items()}
+    if status != "Optimal" and not all(max(vs) > 0.5 for vs in values.values()):
+        need = min_memory(units)
+        raise InfeasibleError(
+            f"devices: no layout fits; the leanest needs {need / 2**30:.1f} GiB per device, "
+            f"{memory_budget / 2**30:.1f} GiB usable")
+    choice = {k: units[k].choices[max(range(len(vs)), key=vs.__getitem__)] for k, vs in values.items()}
+    reshard_total, edges = realised_resharding(ctx, units, tensor_map, choice)
+    gap = 0.0 if status == "Optimal" else None
+    return Solution(choice, float(pulp.value(prob.objective) or 0.0), status, name,
+                    prob.numVariables(), prob.numConstraints(), solve_time, gap, reshard_total, edges)
+
+
+def realised_resharding(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
+                        choice: dict[str, Choice]) -> tuple[float, list]:
+    """Resharding seconds of a fixed assignment (each tensor moved once per layout)."""
+    total = 0.0
+    edges = []
+    for t in tensor_map.values():
+        src = choice[t.producer].out
+        needed = {(choice[c].inp if units[c].kind == "anchor" else choice[c].out) for c in t.consumers}
+        for lay in needed:
+            cost = reshard_s(ctx, t, src, lay) * t.weight
+            if cost:
+                total += cost
+                edges.append((t.key, units[t.producer].module, src, lay))
+    return total, edges
+
+
+def min_memory(units: dict[str, Unit]) -> float:
+    """Bytes per device of the leanest choice per unit (a lower bound of any layout)."""
+    return sum(min(sum(c.state) + c.act_bytes for c in u.choices) for u in units.values() if u.choices)

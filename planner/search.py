@@ -1,0 +1,428 @@
+"""Mesh search, evaluation and plan assembly: config -> graph -> strategies -> ILP -> Plan.
+
+For each factorisation of the device count into ``dp x tp`` (tp a power of two that
+stays inside a node, so tensor-parallel traffic rides the fastest level), each
+data-parallel mode (replicate / fully sharded) and, only when memory demands it,
+full activation checkpointing and more micro-batches, the ILP picks every
+placement; :func:`evaluate` composes the solution into a step time with
+``cost_model.step`` (FSDP prefetch and gradient-reduction overlap) and the best
+fitting candidate becomes the plan.  Every candidate is recorded as an
+alternative.  ``estimate`` runs the same evaluation on a hand layout by pinning
+choices, so plans and hand layouts are compared by one cost function.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+
+from cost_model.compute import op_time, peak_flops
+from cost_model.memory import usable_bytes
+from cost_model.profile import Profile, load_profile
+from cost_model.step import StageCost, compose_step
+from planner.ilp import InfeasibleError, Solution, min_memory, solve, tensors
+from planner.presets import load_config
+from planner.schema import (
+    Alternative,
+    DataParallelDim,
+    Fingerprint,
+    MemoryBreakdown,
+    Mesh,
+    MeshDim,
+    ModuleLayout,
+    ParameterPlacement,
+    Plan,
+    Prediction,
+    SolverStats,
+    TimeBreakdown,
+    fqn_pattern,
+    pattern_matches,
+)
+from planner.strategies import (
+    REDUCING_OPS,
+    Context,
+    Unit,
+    build_units,
+    canonical_map,
+    concrete,
+)
+from planner.tracer import totals, trace
+
+Progress = Callable[[str], None]
+
+# Hand layouts for `estimate`: which linear layers TorchTitan / Megatron shard by
+# column (output features) and which by row.  Everything else stays replicated.
+_COLWISE = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc|w1|w3|lm_head)$")
+_ROWWISE = re.compile(r"(o_proj|down_proj|c_proj|w2|embed_tokens|wte)$")
+
+
+class PlanningError(ValueError):
+    """A planning request that cannot be satisfied; the message names the field."""
+
+
+@dataclass
+class Candidate:
+    ctx: Context
+    units: dict[str, Unit]
+    solution: Solution
+    prediction: Prediction
+
+
+def _feature_divisor(graph: nx.DiGraph, config: Any) -> int:
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return math.gcd(int(heads), int(kv)) if heads else 1
+
+
+def _context(profile: Profile, names: Sequence[str], shape: Sequence[int], batch: int, seq: int,
+             microbatches: int, fsdp: bool, checkpointing: str, divisor: int) -> Context:
+    cpu = profile.device_type == "cpu"
+    return Context(
+        mesh_names=tuple(names), mesh_shape=tuple(shape), profile=profile, batch_size=batch,
+        seq_len=seq, microbatches=microbatches, dtype="fp32" if cpu else "bf16",
+        act_itemsize=4 if cpu else 2, optimizer="adam-fp32" if cpu else "adam-mixed",
+        fsdp=frozenset({"dp"}) if fsdp else frozenset(), checkpointing=checkpointing,
+        feature_divisor=divisor,
+    )
+
+
+def _checkpoint_bytes(ctx: Context, graph: nx.DiGraph) -> float:
+    """Layer inputs kept under full checkpointing (the one thing each layer saves)."""
+    if ctx.checkpointing != "full":
+        return 0.0
+    hidden = max(s[-1] for s in graph.graph["param_shapes"].values() if len(s) == 2)
+    dp = math.prod(n for name, n in zip(ctx.mesh_names, ctx.mesh_shape) if name == "dp")
+    return graph.graph["layers"] * ctx.microbatch * ctx.seq_len * hidden * ctx.act_itemsize / dp
+
+
+def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution) -> Prediction:
+    """Step time and memory of a solved assignment, composed by ``cost_model.step``."""
+    chosen = sol.choice.values()
+    m = ctx.microbatches
+    compute = sum(c.compute_s for c in chosen)
+    gather = sum(c.gather_s for c in chosen)
+    state = [sum(c.state[i] for c in chosen) for i in range(3)]
+    devices = math.prod(ctx.mesh_shape)
+    # Adam touches weights, grads and states once each: memory bound, per device.
+    opt = op_time(ctx.profile, 0, 2 * sum(state), ctx.dtype)
+    recompute_share = 1 / 4 if ctx.checkpointing == "full" else 0.0
+    fwd = compute * (1 / 3 if not recompute_share else 1 / 4)
+    stage = StageCost(
+        forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m,
+        blocking_comm_s=sol.reshard_s / m, gather_forward_s=gather / (2 * m),
+        gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen),
+        optimizer_s=opt, layers=max(graph.graph["layers"], 1),
+    )
+    b = compose_step([stage], microbatches=m)
+    acts = sum(c.act_bytes for c in chosen) + _checkpoint_bytes(ctx, graph)
+    total = int(sum(state) + acts)
+    memory = MemoryBreakdown(
+        parameters=int(state[0]), gradients=int(state[1]), optimizer=int(state[2]),
+        activations=int(acts), total=total, capacity=ctx.profile.memory_bytes,
+        fits=total <= usable_bytes(ctx.profile),
+    )
+    tokens = ctx.batch_size * ctx.seq_len
+    train_flops = totals(graph)["train_flops"] * ctx.batch_size
+    peak = peak_flops(ctx.profile, ctx.dtype)
+    return Prediction(
+        time=TimeBreakdown(**b.as_dict()), memory=memory,
+        tokens_per_s_per_device=tokens / b.step_time_s / devices if b.step_time_s else 0.0,
+        mfu=train_flops / b.step_time_s / devices / peak if b.step_time_s else 0.0,
+    )
+
+
+def _solve(ctx: Context, graph: nx.DiGraph, pins: Callable[[Unit], None] | None,
+           time_limit_s: float | None) -> Candidate:
+    units, unit_of = build_units(ctx, graph)
+    if pins:
+        for u in units.values():
+            pins(u)
+    tmap = tensors(ctx, graph, units, unit_of, canonical_map(graph))
+    budget = usable_bytes(ctx.profile) - _checkpoint_bytes(ctx, graph)
+    tied: dict[str, list[str]] = {}
+    for k, u in units.items():
+        for fqn in {f for c in u.choices for f in c.weights}:
+            tied.setdefault(fqn, []).append(k)
+    tied = {f: ks for f, ks in tied.items() if len(ks) > 1}
+    sol = solve(ctx, units, tmap, budget, tied, time_limit_s)
+    return Candidate(ctx, units, sol, evaluate(ctx, graph, units, sol))
+
+
+def mesh_candidates(devices: int, profile: Profile, divisor: int,
+                    mesh: Mapping[str, int] | None) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    if mesh is not None:
+        names = tuple(mesh)
+        unknown = [n for n in names if n not in ("dp", "tp")]
+        if unknown:
+            raise PlanningError(f"mesh: unknown dim {unknown[0]!r} (supported: dp, tp; pp arrives with pipelining)")
+        if any(int(v) < 1 for v in mesh.values()):
+            raise PlanningError(f"mesh: sizes must be >= 1, got {dict(mesh)}")
+        if math.prod(mesh.values()) != devices:
+            raise PlanningError(f"mesh: {dict(mesh)} has {math.prod(mesh.values())} devices, devices={devices}")
+        ordered = sorted(names, key=("dp", "tp").index)
+        return [(tuple(ordered), tuple(int(mesh[n]) for n in ordered))]
+    node = profile.levels[0].devices or devices
+    out = []
+    tp = 1
+    while tp <= min(node, devices) and devices % tp == 0:
+        if divisor % tp == 0 or tp == 1:
+            out.append((("dp", "tp"), (devices // tp, tp)) if tp > 1 else (("dp",), (devices,)))
+        tp *= 2
+    return out
+
+
+def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: int,
+            meshes: list[tuple[tuple[str, ...], tuple[int, ...]]], divisor: int,
+            time_limit_s: float | None, progress: Progress,
+            fixed: dict[str, Any] | None = None,
+            pins: Callable[[Unit], None] | None = None) -> tuple[Candidate | None, list[Alternative], str]:
+    """Best candidate over meshes x dp modes (x checkpointing, micro-batches when needed)."""
+    best: Candidate | None = None
+    alternatives: list[Alternative] = []
+    leanest = math.inf
+    deadline = time.perf_counter() + time_limit_s if time_limit_s else None
+    for names, shape in meshes:
+        dp = shape[0] if names[0] == "dp" else 1
+        if batch % dp:
+            alternatives.append(Alternative(mesh=dict(zip(names, shape)), step_time_s=None, fits=False,
+                                            note=f"batch_size {batch} is not divisible by dp={dp}"))
+            continue
+        fsdp_modes = [fixed["fsdp"]] if fixed else ([False, True] if dp > 1 else [False])
+        for fsdp in fsdp_modes:
+            ckpts = [fixed["checkpointing"]] if fixed else ["none", "full"]
+            micro = [fixed["microbatches"]] if fixed else [m for m in (1, 2, 4, 8, 16, 32, 64)
+                                                          if batch % (dp * m) == 0]
+            found = None
+            for ckpt in ckpts:
+                for m in micro:
+                    ctx = _context(profile, names, shape, batch, seq, m, fsdp, ckpt, divisor)
+                    left = deadline - time.perf_counter() if deadline else None
+                    if left is not None and left <= 0 and best is not None:
+                        break
+                    try:
+                        found = _solve(ctx, graph, pins, max(left, 1.0) if left else None)
+                    except InfeasibleError:
+                        units, _ = build_units(ctx, graph)
+                        leanest = min(leanest, min_memory(units) + _checkpoint_bytes(ctx, graph))
+                        continue
+                    break
+                if found:
+                    break
+            mesh_d = dict(zip(names, shape))
+            label = f"{'x'.join(f'{k}={v}' for k, v in mesh_d.items())} {'fsdp' if fsdp else 'replicate'}"
+            if not found:
+                alternatives.append(Alternative(mesh=mesh_d, step_time_s=None, fits=False,
+                                                note=f"{label}: nothing fits"))
+                progress(f"  {label}: no layout fits")
+                continue
+            p = found.prediction
+            alternatives.append(Alternative(
+                mesh=mesh_d, step_time_s=p.time.step_time_s, peak_memory_bytes=p.memory.total,
+                fits=p.memory.fits,
+                note=f"{label}, checkpointing={found.ctx.checkpointing}, microbatches={found.ctx.microbatches}"))
+            progress(f"  {label}: {p.time.step_time_s * 1e3:.1f} ms/step, "
+                     f"{p.memory.total / 2**30:.1f} GiB/device")
+            if best is None or p.time.step_time_s < best.prediction.time.step_time_s:
+                best = found
+    need = "" if leanest == math.inf else (
+        f"; the leanest layout needs {leanest / 2**30:.1f} GiB per device, "
+        f"{usable_bytes(profile) / 2**30:.1f} GiB usable on {profile.name}")
+    return best, alternatives, need
+
+
+def _parameters(graph: nx.DiGraph, cand: Candidate) -> list[ParameterPlacement]:
+    ndim = len(cand.ctx.mesh_shape)
+    placed: dict[str, tuple[str, ...]] = {}
+    for c in cand.solution.choice.values():
+        for fqn, pl in c.weights.items():
+            placed[fqn_pattern(fqn)] = pl
+    out: dict[str, tuple[str, ...]] = {}
+    for fqn in graph.graph["param_shapes"]:
+        pat = fqn_pattern(fqn)
+        out[pat] = placed.get(pat, ("R",) * ndim)
+    return [ParameterPlacement(fqn=k, placements=list(v)) for k, v in out.items()]
+
+
+def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
+    """Module boundaries where the layout is not plain data parallel (what apply reshards)."""
+    seq = cand.ctx.seq_len
+    out: dict[str, ModuleLayout] = {}
+    plain = tuple("B" for _ in cand.ctx.mesh_shape)
+    for key, c in cand.solution.choice.items():
+        u = cand.units[key]
+        d = graph.nodes[key]
+        if not u.module or (c.inp == plain and c.out == plain):
+            continue
+        if u.kind == "anchor" and d["short"] != "scaled_dot_product_attention":
+            in_shape = d["in_shapes"][0] if d["short"] != "addmm" else d["in_shapes"][1]
+            inp = [concrete(x, in_shape, seq) for x in c.inp] if d["short"] != "embedding" else None
+            outp = [concrete(x, d["shape"], seq) for x in c.out]
+            out[fqn_pattern(u.module)] = ModuleLayout(module=fqn_pattern(u.module), input=inp, output=outp)
+        elif u.kind == "segment":
+            for n in u.nodes:
+                nd = graph.nodes[n]
+                if nd["short"] in REDUCING_OPS and nd["module"] and len(nd["shape"]) == 3:
+                    pl = [concrete(x, nd["shape"], seq) for x in c.out]
+                    pat = fqn_pattern(nd["module"])
+                    out[pat] = ModuleLayout(module=pat, input=pl, output=pl)
+    return list(out.values())
+
+
+def _unsupported(graph: nx.DiGraph) -> dict[str, int]:
+    from planner.strategies import ANCHOR_OPS, VIEW_OPS, activation_nodes
+
+    known = ANCHOR_OPS | VIEW_OPS | REDUCING_OPS | ELEMENTWISE
+    counts: dict[str, int] = {}
+    for n in activation_nodes(graph):
+        op = graph.nodes[n]["short"]
+        if op not in known:
+            counts[graph.nodes[n]["op"]] = counts.get(graph.nodes[n]["op"], 0) + 1
+    return counts
+
+
+ELEMENTWISE = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "silu", "gelu", "tanh", "sigmoid",
+               "exp", "log", "relu", "dropout", "cat", "where", "masked_fill", "index", "type_as",
+               "new_ones", "ones_like", "zeros_like", "empty_like", "clamp", "abs", "sqrt"}
+
+
+def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
+             seq_len: int | None) -> tuple[nx.DiGraph, Profile, int, int, Any]:
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise PlanningError(f"devices: must be a positive integer, got {devices!r}")
+    prof = load_profile(profile)
+    if prof.max_devices is not None and devices > prof.max_devices:
+        raise PlanningError(f"devices: {devices} exceeds the {prof.max_devices} devices profile {prof.name!r} describes")
+    config = None if hasattr(model, "named_parameters") else load_config(model)
+    if seq_len is None:
+        max_pos = (getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+                   if config is not None else None)
+        seq_len = min(4096, max_pos or 4096)
+    batch = devices if batch_size is None else batch_size
+    if batch < 1:
+        raise PlanningError(f"batch_size: must be positive, got {batch}")
+    graph = trace(config if config is not None else model, 1, seq_len)
+    return graph, prof, batch, seq_len, config
+
+
+def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: int | None = None,
+         seq_len: int | None = None, mesh: Mapping[str, int] | None = None,
+         constraints: Sequence[Mapping[str, Any]] | None = None, time_limit_s: float | None = None,
+         progress: Progress | None = None) -> Plan:
+    """Plan ``model`` on ``devices`` devices of ``profile`` (see SPEC.md)."""
+    say = progress or (lambda _msg: None)
+    t0 = time.perf_counter()
+    say(f"tracing {model if isinstance(model, str) else type(model).__name__} ...")
+    graph, prof, batch, seq, config = _resolve(model, devices, profile, batch_size, seq_len)
+    divisor = _feature_divisor(graph, config) if config is not None else 1
+    meshes = mesh_candidates(devices, prof, divisor, mesh)
+    pins = _constraint_pins(constraints, len(meshes[0][0]) if mesh else None)
+    say(f"traced {totals(graph)['nodes']} nodes ({graph.graph['traced_layers']} of "
+        f"{graph.graph['layers']} layers exported) in {time.perf_counter() - t0:.1f}s; "
+        f"searching {len(meshes)} mesh shape(s)")
+    best, alts, need = _search(graph, prof, devices, batch, seq, meshes, divisor, time_limit_s,
+                               say, pins=pins)
+    if best is None or not best.prediction.memory.fits:
+        raise PlanningError(f"devices: no layout of {model_label(model)} fits on {devices} x {prof.name}{need}")
+    total = time.perf_counter() - t0
+    say(f"best: {dict(zip(best.ctx.mesh_names, best.ctx.mesh_shape))}, "
+        f"{best.prediction.time.step_time_s * 1e3:.1f} ms/step ({total:.1f}s)")
+    return _assemble(model, graph, prof, devices, best, alts, total)
+
+
+def model_label(model: Any) -> str:
+    from planner.presets import model_name
+
+    return model_name(model)
+
+
+def _assemble(model: Any, graph: nx.DiGraph, prof: Profile, devices: int, best: Candidate,
+              alts: list[Alternative], total_s: float) -> Plan:
+    ctx, sol = best.ctx, best.solution
+    return Plan(
+        model=model_label(model), profile=prof.name, devices=devices, batch_size=ctx.batch_size,
+        seq_len=ctx.seq_len,
+        mesh=Mesh(dims=[MeshDim(name=n, size=s) for n, s in zip(ctx.mesh_names, ctx.mesh_shape)],
+                  device_type=prof.device_type),
+        parameters=_parameters(graph, best), modules=_modules(graph, best),
+        data_parallel=[DataParallelDim(dim="dp", mode="fully_shard" if ctx.fsdp else "replicate")]
+        if "dp" in ctx.mesh_names else [],
+        microbatches=ctx.microbatches, activation_checkpointing=ctx.checkpointing,
+        prediction=best.prediction,
+        fingerprint=Fingerprint.of(graph.graph["param_shapes"].items()),
+        solver=SolverStats(solver=sol.solver, status=sol.status, variables=sol.variables,
+                           constraints=sol.constraints, solve_time_s=sol.solve_time_s,
+                           total_time_s=total_s, objective=sol.objective, gap=sol.gap,
+                           unsupported_ops=_unsupported(graph), alternatives=alts),
+    )
+
+
+def _constraint_pins(constraints: Sequence[Mapping[str, Any]] | None,
+                     ndim: int | None) -> Callable[[Unit], None] | None:
+    """User pins: ``{"param": pattern, "placements": [...]}`` keeps only matching choices."""
+    if not constraints:
+        return None
+    rules = []
+    for i, c in enumerate(constraints):
+        if not isinstance(c, Mapping) or set(c) != {"param", "placements"}:
+            raise PlanningError(f"constraints.{i}: expected {{'param': pattern, 'placements': [...]}}")
+        rules.append((str(c["param"]), tuple(c["placements"])))
+
+    def pin(unit: Unit) -> None:
+        for pattern, placements in rules:
+            keep = [ch for ch in unit.choices
+                    if all(pl == placements for f, pl in ch.weights.items() if pattern_matches(pattern, f)
+                           or pattern_matches(pattern, fqn_pattern(f)))]
+            unit.choices = keep
+    return pin
+
+
+def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 1, tp: int = 1,
+             pp: int = 1, fsdp: bool = False, sp: bool = False, microbatches: int = 1,
+             checkpointing: str = "none", schedule: str = "1f1b", virtual_stages: int = 1,
+             batch_size: int | None = None, seq_len: int | None = None) -> Prediction:
+    """Predicted step time and memory of a hand layout (TorchTitan/Megatron style)."""
+    if pp != 1 or virtual_stages != 1:
+        raise PlanningError("pp: pipeline parallelism is not implemented yet (see the pipeline issue)")
+    if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
+        raise PlanningError(f"schedule: unknown {schedule!r}")
+    if checkpointing not in ("none", "selective", "full"):
+        raise PlanningError(f"checkpointing: expected none, selective or full, got {checkpointing!r}")
+    if checkpointing == "selective":
+        raise PlanningError("checkpointing: selective is not modelled by the graph cost yet; use none or full")
+    if dp * tp * pp != devices:
+        raise PlanningError(f"devices: dp*tp*pp = {dp * tp * pp}, but devices={devices}")
+    if microbatches < 1:
+        raise PlanningError(f"microbatches: must be >= 1, got {microbatches}")
+    graph, prof, batch, seq, config = _resolve(model, devices, profile, batch_size, seq_len)
+    if batch % (dp * microbatches):
+        raise PlanningError(f"batch_size: {batch} is not divisible by dp*microbatches = {dp * microbatches}")
+    divisor = _feature_divisor(graph, config) if config is not None else 1
+    if tp > 1 and divisor % tp:
+        raise PlanningError(f"tp: {tp} does not divide the attention heads ({divisor})")
+    names, shape = (("dp", "tp"), (dp, tp)) if tp > 1 else (("dp",), (dp,))
+
+    def hand(unit: Unit) -> None:
+        if tp == 1:
+            return
+        if unit.kind == "anchor":
+            mod = unit.module.rsplit(".", 1)[-1]
+            want = "col" if _COLWISE.search(mod) else "row" if _ROWWISE.search(mod) else (
+                "col" if not unit.choices or not unit.choices[0].weights else "rep")
+            unit.choices = [c for c in unit.choices if c.name == want]
+        else:
+            reduces = any(c.name == "H" for c in unit.choices) is False
+            if reduces:  # norms and residual stream: sequence parallel or replicated
+                unit.choices = [c for c in unit.choices if c.name == ("Q" if sp else "R")]
+
+    fixed = {"fsdp": fsdp, "checkpointing": checkpointing, "microbatches": microbatches}
+    best, _alts, need = _search(graph, prof, devices, batch, seq, [(names, shape)], divisor, None,
+                                lambda _m: None, fixed=fixed, pins=hand)
+    if best is None:
+        raise PlanningError(f"devices: this layout does not fit{need}")
+    return best.prediction

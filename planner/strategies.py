@@ -1,0 +1,377 @@
+"""Strategies: the placements each part of the traced graph can take on a mesh.
+
+The graph is condensed before anything is enumerated (Alpa's "follow" merge):
+
+* **anchors** are the ops that own the parallelisation decision: ops with a
+  parameter (linear, GPT-2's Conv1D addmm, embedding, MoE grouped_mm) and
+  attention (scaled_dot_product_attention);
+* **segments** are the connected groups of other activation ops between anchors
+  (norms, residual adds, rotary, activation functions, views).  A segment holds one
+  layout for all its tensors, so elementwise chains never reshard internally.
+
+Layouts are semantic, per mesh dim: ``R`` replicate, ``B`` batch-sharded, ``Q``
+sequence-sharded, ``H`` feature-sharded (hidden / heads / ffn), ``P`` partial sum;
+:func:`concrete` turns one into ``R``/``S(d)``/``P`` for a given tensor shape.
+
+Data-parallel mesh dims (named ``dp``) are batch-sharded everywhere; the other
+dims (``tp``) are free, and every anchor picks one of:
+
+    data  x B -> y B, weight replicated (gradient reduced over the dim)
+    seq   x Q -> y Q, weight replicated (gradient reduced over the dim)
+    col   x R -> y H, weight sharded on its output features
+    row   x H -> y P, weight sharded on its input features
+    rep   x R -> y R, everything replicated (redundant compute)
+
+Each choice carries its per-device compute time, the parameter placements it
+implies and its model-state bytes, all from ``cost_model``; resharding between
+choices is priced by the ILP on the graph's edges.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from cost_model.compute import op_time
+from cost_model.profile import Profile
+from planner.tracer import layer_weight
+
+ANCHOR_OPS = {"linear", "addmm", "embedding", "scaled_dot_product_attention", "grouped_mm_fallback"}
+# Ops that reduce over features: a segment holding one cannot be feature-sharded.
+REDUCING_OPS = {"mean", "sum", "var", "layer_norm", "native_layer_norm", "softmax", "_softmax",
+                "topk", "sort", "cumsum", "histc", "rms_norm", "amax", "max", "argmax", "norm"}
+VIEW_OPS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze",
+            "expand", "slice", "select", "alias", "t", "split", "chunk", "unbind", "getitem",
+            "contiguous", "clone", "_assert_tensor_metadata", "to", "detach"}
+LAYOUTS = ("R", "B", "Q", "H", "P")
+ANCHOR_KINDS = ("data", "seq", "col", "row", "rep")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every cost needs: mesh, profile, training shape and dtype."""
+
+    mesh_names: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    profile: Profile
+    batch_size: int  # global batch, sequences
+    seq_len: int
+    microbatches: int
+    dtype: str  # compute dtype name for the profile ("bf16", "fp32")
+    act_itemsize: int  # bytes per activation element in training
+    optimizer: str  # key of cost_model.memory.OPTIMIZERS
+    fsdp: frozenset[str]  # data-parallel dims whose parameters are fully sharded
+    checkpointing: str
+    feature_divisor: int  # every feature sharding must divide this (heads, kv heads, ...)
+
+    @property
+    def free_dims(self) -> tuple[int, ...]:
+        return tuple(i for i, n in enumerate(self.mesh_names) if n != "dp")
+
+    @property
+    def microbatch(self) -> int:
+        """Global sequences per micro-batch."""
+        return self.batch_size // self.microbatches
+
+
+@dataclass
+class Choice:
+    name: str  # e.g. "col" or "tp:Q"; per free dim, joined with "+"
+    out: tuple[str, ...]  # semantic layout of the output, per mesh dim
+    inp: tuple[str, ...]  # semantic layout required of activation inputs
+    compute_s: float  # forward + backward (+ recompute) seconds per step
+    weights: dict[str, tuple[str, ...]] = field(default_factory=dict)  # param -> placements
+    state: tuple[float, float, float] = (0.0, 0.0, 0.0)  # weight, grad, optimizer bytes per device
+    act_bytes: float = 0.0  # activations kept for backward, per device
+    grad_sync_s: float = 0.0  # gradient all-reduce / reduce-scatter per step
+    gather_s: float = 0.0  # FSDP all-gathers per step (forward and backward)
+
+
+@dataclass
+class Unit:
+    key: str  # canonical node name (the first traced layer stands for all)
+    kind: str  # "anchor" or "segment"
+    nodes: list[str]
+    weight: int  # how many real units this canonical one stands for
+    module: str
+    choices: list[Choice] = field(default_factory=list)
+
+
+def concrete(layout: str, shape: Sequence[int], seq_len: int) -> str | None:
+    """The placement of semantic ``layout`` on a tensor of ``shape`` (None: impossible)."""
+    if layout in ("R", "P"):
+        return layout
+    if not shape:
+        return None
+    if layout == "B":
+        return "S(0)"
+    if layout == "Q":
+        dims = [d for d in range(1, len(shape)) if shape[d] == seq_len]
+        return f"S({dims[0]})" if dims else None
+    if len(shape) == 4:  # attention: [b, heads, s, d] or [b, s, heads, d]
+        return "S(1)" if shape[2] == seq_len else "S(2)"
+    return f"S({len(shape) - 1})" if len(shape) >= 2 else None
+
+
+def _combine(ctx: Context, per_dim: dict[int, str], fixed: str) -> tuple[str, ...]:
+    return tuple(per_dim.get(i, fixed) for i in range(len(ctx.mesh_shape)))
+
+
+def _shards(ctx: Context, layout: Sequence[str], kinds: str = "BQH") -> int:
+    return math.prod(n for n, letter in zip(ctx.mesh_shape, layout) if letter in kinds)
+
+
+def _divisible(ctx: Context, layout: Sequence[str], shape: Sequence[int]) -> bool:
+    """Every sharded semantic dim splits evenly (the executor supports uneven, the cost model not)."""
+    for letter, size in (("B", ctx.microbatch), ("Q", ctx.seq_len), ("H", ctx.feature_divisor)):
+        n = _shards(ctx, layout, letter)
+        if n > 1 and size % n:
+            return False
+    return all(concrete(letter, shape, ctx.seq_len) is not None for letter in layout)
+
+
+def _scaled(ctx: Context, node: dict) -> tuple[float, float, float]:
+    """(fwd FLOPs, bwd FLOPs, bytes) of a traced node for one global micro-batch."""
+    b = ctx.microbatch
+    return node["fwd_flops"] * b, node["bwd_flops"] * b, node["bytes"] * b
+
+
+def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int) -> float:
+    """Per-device seconds per step for (node, multiplicity) split ``shards`` ways,
+    forward + backward (+ recompute under full checkpointing)."""
+    total = 0.0
+    scale = ctx.act_itemsize / 4  # traced in fp32
+    for d, mult in nodes:
+        fwd, bwd, nbytes = _scaled(ctx, d)
+        nbytes *= scale
+        t_f = op_time(ctx.profile, fwd / shards, nbytes / shards, ctx.dtype) if (fwd or nbytes) else 0.0
+        t_b = op_time(ctx.profile, bwd / shards, nbytes / shards, ctx.dtype) if (bwd or nbytes) else 0.0
+        recompute = t_f if ctx.checkpointing == "full" else 0.0
+        total += mult * (t_f + t_b + recompute)
+    return total * ctx.microbatches
+
+
+def _saved_bytes(ctx: Context, nodes: Sequence[tuple[dict, float]], layers: int) -> float:
+    """Activation bytes (node, multiplicity) keep for backward, one micro-batch, unsharded.
+
+    A tensor is kept when a consumer's backward needs it (``saved``, set by the
+    tracer from autograd's rules); views alias their input.  Under full
+    checkpointing a layer keeps only its input (counted by the caller) and one
+    layer's activations exist at a time, during its recomputation.
+    """
+    total = 0.0
+    for d, mult in nodes:
+        if d["short"] in VIEW_OPS or not d.get("saved"):
+            continue
+        if ctx.checkpointing == "full" and d["layer"] is not None:
+            mult = mult / layers
+        total += mult * d["out_numel"] * ctx.microbatch * ctx.act_itemsize
+    return total
+
+
+def weight_placement(kind: str, op: str, arg: int, shape: Sequence[int]) -> str:
+    """Placement on one mesh dim of a parameter at argument ``arg`` of anchor ``op``."""
+    if kind in ("data", "seq", "rep"):
+        return "R"
+    if op == "linear":  # weight [out, in], bias [out]
+        return ("S(0)" if kind == "col" else "S(1)") if arg == 1 else ("S(0)" if kind == "col" else "R")
+    if op == "addmm":  # GPT-2 Conv1D: bias [out] at 0, weight [in, out] at 2
+        return ("S(1)" if kind == "col" else "S(0)") if arg == 2 else ("S(0)" if kind == "col" else "R")
+    if op == "embedding":  # weight [vocab, hidden]: col shards hidden, row shards vocab
+        return "S(1)" if kind == "col" else "S(0)"
+    if op == "grouped_mm_fallback":  # weight [experts, out, in]
+        return "S(1)" if kind == "col" else "S(2)"
+    return "R"
+
+
+def _anchor_layouts(op: str, kind: str) -> tuple[str, str] | None:
+    """(input layout, output layout) of an anchor kind on one mesh dim."""
+    if op == "scaled_dot_product_attention":
+        return {"data": ("B", "B"), "col": ("H", "H"), "rep": ("R", "R")}.get(kind)
+    if op == "embedding":
+        return {"data": ("B", "B"), "seq": ("Q", "Q"), "col": ("R", "H"), "row": ("R", "P"),
+                "rep": ("R", "R")}[kind]
+    if op == "grouped_mm_fallback" and kind == "seq":
+        return None  # routed tokens are flattened: no sequence dim left
+    return {"data": ("B", "B"), "seq": ("Q", "Q"), "col": ("R", "H"), "row": ("H", "P"),
+            "rep": ("R", "R")}[kind]
+
+
+def _param_state(ctx: Context, shape: Sequence[int], placements: Sequence[str]
+                 ) -> tuple[tuple[float, float, float], float, float]:
+    """((weight, grad, optimizer) bytes per device, gradient sync s, FSDP gather s) of one
+    parameter.  FSDP divides all three by its degree (ZeRO-3); the transient unsharded
+    copy of the layer being computed is left to the profile's memory headroom."""
+    from cost_model.comm import collective_time
+    from cost_model.memory import state_bytes_per_param
+
+    per = state_bytes_per_param(ctx.optimizer)
+    numel = math.prod(shape)
+    shards = math.prod(n for n, p in zip(ctx.mesh_shape, placements) if p.startswith("S("))
+    local = numel / shards
+    fsdp = [i for i, name in enumerate(ctx.mesh_names) if name in ctx.fsdp and ctx.mesh_shape[i] > 1]
+    at_rest = local / math.prod(ctx.mesh_shape[i] for i in fsdp) if fsdp else local
+    state = (at_rest * per.weights, at_rest * per.grads, at_rest * per.optimizer)
+    grad_bytes = local * per.grads
+    sync = gather = 0.0
+    for i, (name, p) in enumerate(zip(ctx.mesh_names, placements)):
+        if p != "R" or ctx.mesh_shape[i] == 1:
+            continue
+        if i in fsdp:
+            sync += collective_time(ctx.profile, "reduce_scatter", grad_bytes, ctx.mesh_shape, i)
+            # forward gather + backward re-gather (reshard_after_forward), every micro-batch
+            gather += 2 * ctx.microbatches * collective_time(
+                ctx.profile, "all_gather", local * per.weights, ctx.mesh_shape, i)
+        elif name == "dp":
+            sync += collective_time(ctx.profile, "all_reduce", grad_bytes, ctx.mesh_shape, i)
+    return state, sync, gather
+
+
+def _free_dim_grad_sync(ctx: Context, shape: Sequence[int], placements: Sequence[str],
+                        per_dim_kind: dict[int, str]) -> float:
+    """Gradient all-reduce on free dims where the anchor splits the batch or sequence."""
+    from cost_model.comm import collective_time
+    from cost_model.memory import state_bytes_per_param
+
+    per = state_bytes_per_param(ctx.optimizer)
+    shards = math.prod(n for n, p in zip(ctx.mesh_shape, placements) if p.startswith("S("))
+    grad_bytes = math.prod(shape) / shards * per.grads
+    return sum(collective_time(ctx.profile, "all_reduce", grad_bytes, ctx.mesh_shape, i)
+               for i, k in per_dim_kind.items() if k in ("data", "seq"))
+
+
+def _per_dim_options(ctx: Context, options: Sequence[str]) -> list[dict[int, str]]:
+    combos: list[dict[int, str]] = [{}]
+    for i in ctx.free_dims:
+        combos = [{**c, i: o} for c in combos for o in options]
+    return combos
+
+
+def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float) -> list[Choice]:
+    """Choices of anchor ``node`` standing for ``mult`` real ops (repeated layers)."""
+    d = graph.nodes[node]
+    layers = graph.graph["layers"]
+    op = d["short"]
+    shape = d["shape"]
+    out: list[Choice] = []
+    for kinds in _per_dim_options(ctx, ANCHOR_KINDS):
+        lay = {i: _anchor_layouts(op, k) for i, k in kinds.items()}
+        if any(v is None for v in lay.values()):
+            continue
+        inp = _combine(ctx, {i: v[0] for i, v in lay.items()}, "B")
+        outl = _combine(ctx, {i: v[1] for i, v in lay.items()}, "B")
+        if not _divisible(ctx, outl, shape):
+            continue
+        if op != "embedding" and d["in_shapes"] and not _divisible(ctx, inp, d["in_shapes"][0]):
+            continue
+        weights: dict[str, tuple[str, ...]] = {}
+        state = (0.0, 0.0, 0.0)
+        sync = gather = 0.0
+        ok = True
+        for arg, fqn in d["params"].items():
+            pshape = graph.graph["param_shapes"][fqn]
+            pl = tuple("R" if i not in kinds else weight_placement(kinds[i], op, arg, pshape)
+                       for i in range(len(ctx.mesh_shape)))
+            for n, p in zip(ctx.mesh_shape, pl):
+                if p.startswith("S(") and pshape[int(p[2:-1])] % n:
+                    ok = False
+            weights[fqn] = pl
+            s, g_sync, g_gather = _param_state(ctx, pshape, pl)
+            state = tuple(a + mult * b for a, b in zip(state, s))
+            gather += mult * g_gather
+            sync += mult * (g_sync + _free_dim_grad_sync(ctx, pshape, pl, kinds))
+        if not ok:
+            continue
+        work = _shards(ctx, outl) * _shards(ctx, inp, "H") if op != "embedding" else _shards(ctx, outl)
+        if op == "scaled_dot_product_attention":
+            work = _shards(ctx, outl)
+        name = "+".join(kinds[i] for i in ctx.free_dims) or "data"
+        act = _saved_bytes(ctx, [(d, mult)], layers) / max(_shards(ctx, outl), 1)
+        out.append(Choice(name, outl, inp, _compute_s(ctx, [(d, mult)], work), weights, state,
+                          act, sync, gather))
+    return out
+
+
+def segment_choices(ctx: Context, graph: nx.DiGraph, nodes: Sequence[str]) -> list[Choice]:
+    """Layouts of the segment made of ``nodes`` (every traced member, each at its multiplicity)."""
+    data = [(graph.nodes[n], float(layer_weight(graph, n))) for n in nodes]
+    layers = graph.graph["layers"]
+    shorts = {d["short"] for d, _ in data}
+    only_views = shorts <= VIEW_OPS
+    shapes = {d["shape"] for d, _ in data if d["shape"]}
+    out = []
+    for per_dim in _per_dim_options(ctx, LAYOUTS):
+        layout = _combine(ctx, per_dim, "B")
+        if "P" in layout and not only_views:
+            continue
+        if "H" in layout and shorts & REDUCING_OPS:
+            continue
+        if not all(_divisible(ctx, layout, s) for s in shapes):
+            continue
+        shards = _shards(ctx, layout)
+        name = "+".join(per_dim[i] for i in ctx.free_dims) or "B"
+        out.append(Choice(name, layout, layout, _compute_s(ctx, data, shards),
+                          act_bytes=_saved_bytes(ctx, data, layers) / shards))
+    return out
+
+
+def activation_nodes(graph: nx.DiGraph) -> set[str]:
+    """Nodes downstream of an embedding: the ones whose size grows with the batch."""
+    roots = [n for n, d in graph.nodes(data=True) if d.get("short") == "embedding"]
+    seen: set[str] = set(roots)
+    for r in roots:
+        seen |= nx.descendants(graph, r)
+    return {n for n in seen if graph.nodes[n]["kind"] == "call_function"
+            and graph.nodes[n]["out_numel"] > 0}
+
+
+def canonical_map(graph: nx.DiGraph) -> dict[str, str]:
+    """Each traced node -> its counterpart in the first traced layer (itself elsewhere)."""
+    by_layer: dict[int, list[str]] = defaultdict(list)
+    for n, d in graph.nodes(data=True):
+        if d.get("layer") is not None and d["kind"] == "call_function":
+            by_layer[d["layer"]].append(n)
+    canon = {n: n for n in graph.nodes}
+    if len(by_layer) < 2:
+        return canon
+    first = by_layer[min(by_layer)]
+    for layer, nodes in by_layer.items():
+        if len(nodes) == len(first):
+            canon.update(zip(nodes, first))
+    return canon
+
+
+def build_units(ctx: Context, graph: nx.DiGraph) -> tuple[dict[str, Unit], dict[str, str]]:
+    """Canonical units with their choices, and node -> unit key for every activation node."""
+    act = activation_nodes(graph)
+    anchors = {n for n in act if graph.nodes[n]["short"] in ANCHOR_OPS
+               and (graph.nodes[n]["short"] != "addmm" or graph.nodes[n]["params"])}
+    follow = nx.Graph()
+    follow.add_nodes_from(act - anchors)
+    follow.add_edges_from((u, v) for u, v in graph.edges if u in follow and v in follow)
+    canon = canonical_map(graph)
+    unit_of: dict[str, str] = {}
+    groups: dict[str, list[str]] = {}
+    for a in anchors:
+        unit_of[a] = canon[a]
+        groups.setdefault(canon[a], []).append(a)
+    for comp in nx.connected_components(follow):
+        key = min(canon[n] for n in comp)
+        for n in comp:
+            unit_of[n] = key
+        groups.setdefault(key, []).extend(comp)
+    units: dict[str, Unit] = {}
+    for key, members in groups.items():
+        kind = "anchor" if key in anchors else "segment"
+        mult = sum(layer_weight(graph, n) for n in members)
+        unit = Unit(key, kind, sorted(members), mult, graph.nodes[key]["module"])
+        if kind == "anchor":
+            unit.choices = anchor_choices(ctx, graph, key, mult)
+        else:
+            unit.choices = segment_choices(ctx, graph, members)
+        units[key] = unit
+    return units, unit_of
