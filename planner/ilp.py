@@ -116,7 +116,6 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
           memory_budget: float, tied: dict[str, list[str]] | None = None,
           time_limit_s: float | None = None) -> Solution:
     """Solve the ILP above; raises InfeasibleError with the memory the best layout needs."""
-    t0 = time.perf_counter()
     for u in units.values():
         if not u.choices:
             raise InfeasibleError(f"no valid placement for {u.kind} {u.key} ({u.module or 'model'})")

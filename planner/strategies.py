@@ -339,7 +339,7 @@ def canonical_map(graph: nx.DiGraph) -> dict[str, str]:
     if len(by_layer) < 2:
         return canon
     first = by_layer[min(by_layer)]
-    for layer, nodes in by_layer.items():
+    for nodes in by_layer.values():
         if len(nodes) == len(first):
             canon.update(zip(nodes, first))
     return canon
