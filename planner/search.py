@@ -92,15 +92,6 @@ def _context(profile: Profile, names: Sequence[str], shape: Sequence[int], batch
     )
 
 
-def _checkpoint_bytes(ctx: Context, graph: nx.DiGraph) -> float:
-    """Layer inputs kept under full checkpointing (the one thing each layer saves)."""
-    if ctx.checkpointing != "full":
-        return 0.0
-    hidden = max(s[-1] for s in graph.graph["param_shapes"].values() if len(s) == 2)
-    dp = math.prod(n for name, n in zip(ctx.mesh_names, ctx.mesh_shape) if name == "dp")
-    return graph.graph["layers"] * ctx.microbatch * ctx.seq_len * hidden * ctx.act_itemsize / dp
-
-
 def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution) -> Prediction:
     """Step time and memory of a solved assignment, composed by ``cost_model.step``."""
     chosen = sol.choice.values()
@@ -120,7 +111,7 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
         optimizer_s=opt, layers=max(graph.graph["layers"], 1),
     )
     b = compose_step([stage], microbatches=m)
-    acts = sum(c.act_bytes for c in chosen) + _checkpoint_bytes(ctx, graph)
+    acts = sum(c.act_bytes for c in chosen)
     total = int(sum(state) + acts)
     memory = MemoryBreakdown(
         parameters=int(state[0]), gradients=int(state[1]), optimizer=int(state[2]),
@@ -144,7 +135,7 @@ def _solve(ctx: Context, graph: nx.DiGraph, pins: Callable[[Unit], None] | None,
         for u in units.values():
             pins(u)
     tmap = tensors(ctx, graph, units, unit_of, canonical_map(graph))
-    budget = usable_bytes(ctx.profile) - _checkpoint_bytes(ctx, graph)
+    budget = usable_bytes(ctx.profile)
     tied: dict[str, list[str]] = {}
     for k, u in units.items():
         for fqn in {f for c in u.choices for f in c.weights}:
@@ -209,7 +200,7 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                         found = _solve(ctx, graph, pins, max(left, 1.0) if left else None)
                     except InfeasibleError:
                         units, _ = build_units(ctx, graph)
-                        leanest = min(leanest, min_memory(units) + _checkpoint_bytes(ctx, graph))
+                        leanest = min(leanest, min_memory(units))
                         continue
                     break
                 if found:

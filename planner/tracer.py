@@ -139,10 +139,16 @@ def _truncated(config: PretrainedConfig, layers: int) -> PretrainedConfig:
     return small
 
 
-def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False) -> nx.DiGraph:
-    """The export graph as a networkx DiGraph with per-node costs (see module doc)."""
+def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
+                aliases: Mapping[str, str] | None = None) -> nx.DiGraph:
+    """The export graph as a networkx DiGraph with per-node costs (see module doc).
+
+    ``aliases`` maps a tied parameter's other names to its first one (GPT-2's
+    lm_head.weight -> transformer.wte.weight), so one parameter has one FQN.
+    """
     sig = program.graph_signature
-    param_of = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    aliases = aliases or {}
+    param_of = {k: aliases.get(v, v) for k, v in {**sig.inputs_to_parameters, **sig.inputs_to_buffers}.items()}
     graph = nx.DiGraph()
     for node in program.graph.nodes:
         if node.op == "placeholder":
@@ -214,6 +220,14 @@ def _mark_saved(graph: nx.DiGraph) -> None:
             for c in succ)
 
 
+def _aliases(model: nn.Module) -> dict[str, str]:
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
 def layer_signature(graph: nx.DiGraph, layer: int, prefix: str) -> tuple:
     """Ops, shapes and relative module paths of one layer, in graph order."""
     base = f"{prefix}.{layer}"
@@ -244,7 +258,7 @@ def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_s
         exported = build_model(_truncated(config, min(layers, TRACED_LAYERS)), "meta")
     causal_lm = getattr(getattr(exported, "config", None), "is_decoder", False) or hasattr(
         exported, "generate")
-    graph = build_graph(_export(exported, batch_size, seq_len), causal_lm)
+    graph = build_graph(_export(exported, batch_size, seq_len), causal_lm, _aliases(exported))
     prefixes = {_layer_of(d["module"])[0] for _, d in graph.nodes(data=True)
                 if d["kind"] == "call_function" and _layer_of(d["module"])}
     prefix = prefixes.pop() if len(prefixes) == 1 else None
@@ -252,7 +266,7 @@ def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_s
     if prefix and layers and layers > traced and traced >= 2:
         sigs = {layer_signature(graph, i, prefix) for i in range(traced)}
         if len(sigs) != 1:  # layers differ: export the whole model instead
-            graph = build_graph(_export(full, batch_size, seq_len), causal_lm)
+            graph = build_graph(_export(full, batch_size, seq_len), causal_lm, _aliases(full))
             traced = layers
     graph.graph.update(
         model=name, layers=layers or traced, traced_layers=traced, layer_prefix=prefix,
@@ -260,6 +274,12 @@ def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_s
         param_shapes={n: tuple(p.shape) for n, p in full.named_parameters()},
         dtype=str(next(full.parameters()).dtype),
     )
+    # Under full activation checkpointing a layer keeps only its input: mark the
+    # tensors that enter a layer with how many real layers they stand for.
+    for u, v in graph.edges:
+        lv = graph.nodes[v].get("layer")
+        if lv is not None and graph.nodes[u].get("layer") != lv and graph.nodes[u]["kind"] == "call_function":
+            graph.nodes[u]["ckpt_mult"] = max(graph.nodes[u].get("ckpt_mult", 0), layer_weight(graph, v))
     return graph
 
 

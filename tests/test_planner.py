@@ -1,0 +1,145 @@
+"""Planner: real traces, real ILP solves, plans compared with hand layouts by one cost model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+import planner
+from planner.schema import Fingerprint, Plan, plan_json_schema
+
+
+@pytest.fixture(scope="module")
+def tp8_plan():
+    # One sequence: with a batch to split, the solver may also (rightly) use the tp
+    # dim for data parallelism, which is not the question asked here.
+    return planner.plan("llama3-8b", 8, "h100-sxm-80g", batch_size=1, seq_len=4096,
+                        mesh={"tp": 8})
+
+
+def _placements(plan: Plan, suffix: str) -> list[str]:
+    return plan.placement_for(f"model.layers.3.{suffix}.weight")
+
+
+def test_tp8_inside_a_node_is_megatron_like(tp8_plan):
+    plan = tp8_plan
+    assert plan.mesh.shape == (8,)
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        assert _placements(plan, name) == ["S(0)"], name  # column-parallel
+    assert _placements(plan, "mlp.down_proj") == ["S(1)"]  # row-parallel
+    o_proj = _placements(plan, "self_attn.o_proj")
+    # Sequence parallel emerges: the norms run on sequence shards.
+    assert plan.layout_for("model.layers.3.input_layernorm").input == ["S(1)"]
+    megatron = planner.estimate("llama3-8b", 8, "h100-sxm-80g", dp=1, tp=8, sp=True,
+                                batch_size=1, seq_len=4096)
+    assert plan.prediction.time.step_time_s <= megatron.time.step_time_s * (1 + 1e-9)
+    if o_proj != ["S(1)"]:
+        # The solver may shard o_proj by column on a gathered input and all-to-all
+        # its output to sequence shards, instead of Megatron's row split plus
+        # reduce-scatter: same FLOPs, traffic the profile prices no higher.  It is
+        # accepted because it is no slower under the same cost model (checked above).
+        assert o_proj == ["S(0)"]
+
+
+def test_plan_json_round_trip_and_schema(tp8_plan):
+    text = tp8_plan.to_json()
+    again = Plan.from_json(text)
+    assert again == tp8_plan and again.to_json() == text
+    assert json.loads(text)["schema_version"] == "1.0"
+    schema = plan_json_schema()
+    assert "parameters" in schema["properties"] and "fingerprint" in schema["required"]
+    stats = tp8_plan.solver
+    assert stats.variables > 0 and stats.status == "Optimal" and stats.gap == 0.0
+    assert stats.alternatives and stats.alternatives[0].mesh == {"tp": 8}
+
+
+def test_schema_validation_names_the_field(tp8_plan):
+    data = json.loads(tp8_plan.to_json())
+    data["parameters"][0]["placements"] = ["S(x)"]
+    with pytest.raises(ValidationError) as err:
+        Plan.model_validate(data)
+    assert "parameters.0.placements.0" in str(err.value)
+    data = json.loads(tp8_plan.to_json())
+    data["devices"] = 16
+    with pytest.raises(ValidationError, match="devices=16"):
+        Plan.model_validate(data)
+
+
+def test_fingerprint_mismatches_name_the_parameter():
+    a = Fingerprint.of([("layers.0.w", (4, 4)), ("layers.1.w", (4, 4)), ("head", (2, 4))])
+    b = Fingerprint.of([("layers.0.w", (4, 4)), ("head", (3, 4)), ("extra", (1,))])
+    assert a.params == {"layers.*.w": [4, 4], "head": [2, 4]}
+    problems = a.mismatches(b)
+    assert any(p.startswith("head: plan shape [2, 4], model shape [3, 4]") for p in problems)
+    assert any(p.startswith("extra: in the model") for p in problems)
+    assert any(p.startswith("layers.*.w: plan has 2") for p in problems)
+    assert a.digest != b.digest
+
+
+def test_small_model_on_one_dim_is_pure_data_parallel():
+    # Across 8 nodes FSDP's extra gathers cross InfiniBand and cost more than they
+    # save.  (Inside one NVLink node the cost model prefers FSDP even for GPT-2:
+    # the sharded Adam step is 8x cheaper and the gathers hide behind compute.)
+    plan = planner.plan("gpt2", 64, "h100-sxm-80g", batch_size=64, seq_len=1024, mesh={"dp": 64})
+    assert plan.data_parallel[0].mode == "replicate"
+    assert all(p.placements == ["R"] for p in plan.parameters)
+    assert plan.prediction.memory.fits
+
+
+def test_parameters_that_do_not_fit_are_fully_sharded():
+    # 8B x 16 B/param = 128 GB of model state: only FSDP fits it on 8 x 80 GB.
+    plan = planner.plan("llama3-8b", 8, "h100-sxm-80g", batch_size=8, seq_len=2048, mesh={"dp": 8})
+    assert plan.data_parallel[0].mode == "fully_shard"
+    assert plan.prediction.memory.parameters < 8.1e9 * 2 / 8 * 1.01
+
+
+def test_infeasible_reports_memory_needed():
+    with pytest.raises(planner.PlanningError) as err:
+        planner.plan("llama3-405b", 8, "h100-sxm-80g", batch_size=8, seq_len=4096)
+    msg = str(err.value)
+    assert msg.startswith("devices:") and "GiB per device" in msg
+
+
+def hand_estimate(model: str, devices: int, profile: str, **kw) -> planner.Prediction | None:
+    """A hand layout with the fewest micro-batches that fit (what a user would pick)."""
+    for m in (1, 2, 4, 8, 16):
+        try:
+            return planner.estimate(model, devices, profile, microbatches=m, **kw)
+        except planner.PlanningError:
+            continue
+    return None
+
+
+def test_plan_beats_hand_layouts_llama3_8b_64():
+    kw = dict(batch_size=256, seq_len=4096)
+    plan = planner.plan("llama3-8b", 64, "h100-sxm-80g", **kw)
+    hands = {
+        "DDP": dict(dp=64, checkpointing="full"),
+        "FSDP": dict(dp=64, fsdp=True),
+        "TorchTitan FSDP+TP": dict(dp=8, tp=8, fsdp=True, sp=True),
+        "Megatron TP": dict(dp=8, tp=8, sp=True),
+    }
+    compared = 0
+    for name, hand in hands.items():
+        est = hand_estimate("llama3-8b", 64, "h100-sxm-80g", **hand, **kw)
+        if est is None:
+            continue
+        compared += 1
+        assert est.memory.fits, name
+        assert plan.prediction.time.step_time_s <= est.time.step_time_s * (1 + 1e-9), name
+    assert compared >= 3
+
+
+def test_bad_requests():
+    with pytest.raises(planner.PlanningError, match="^mesh:"):
+        planner.plan("llama-tiny", 4, "h100-sxm-80g", mesh={"dp": 3})
+    with pytest.raises(planner.PlanningError, match="^mesh: unknown dim"):
+        planner.plan("llama-tiny", 4, "h100-sxm-80g", mesh={"ep": 4})
+    with pytest.raises(planner.PlanningError, match="^devices:"):
+        planner.plan("llama-tiny", 0, "h100-sxm-80g")
+    with pytest.raises(ValueError, match="profile"):
+        planner.plan("llama-tiny", 2, "tpu-v9")
+    with pytest.raises(planner.PlanningError, match="^constraints.0"):
+        planner.plan("llama-tiny", 2, "h100-sxm-80g", constraints=[{"oops": 1}])

@@ -1,0 +1,119 @@
+"""Tracer: real torch.export graphs of every preset, FLOPs, repetition, bad configs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from planner import ConfigError, trace
+from planner.presets import PRESETS, build_model, load_config
+from planner.tracer import layer_signature, totals
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    out = {}
+    for name in PRESETS:
+        seq = 64 if name.endswith("tiny") else 512
+        out[name] = trace(name, 1, seq)
+    return out
+
+
+def test_every_preset_traces(graphs):
+    for name, g in graphs.items():
+        t = totals(g)
+        config = load_config(name)
+        layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+        assert g.graph["layers"] == layers, name
+        assert g.graph["traced_layers"] == min(layers, 2), name
+        assert t["nodes"] > g.number_of_nodes() * 0.5, name
+        assert t["train_flops"] > 0
+        ops = {d["short"] for _, d in g.nodes(data=True) if d["kind"] == "call_function"}
+        assert "scaled_dot_product_attention" in ops, name
+        params = [d["params"] for _, d in g.nodes(data=True) if d.get("params")]
+        assert params, f"{name}: no parameter inputs recorded"
+
+
+def test_mixtral_routing_ops_are_traced(graphs):
+    ops = {d["short"] for _, d in graphs["mixtral-8x7b"].nodes(data=True) if d["kind"] == "call_function"}
+    assert {"topk", "softmax", "grouped_mm_fallback"} <= ops
+
+
+def test_node_metadata(graphs):
+    g = graphs["llama3-8b"]
+    q = [d for _, d in g.nodes(data=True) if d.get("module") == "model.layers.0.self_attn.q_proj"]
+    assert len(q) == 1
+    q = q[0]
+    assert q["op"] == "aten.linear.default"
+    assert q["params"] == {1: "model.layers.0.self_attn.q_proj.weight"}
+    assert q["in_shapes"][0] == (1, 512, 4096) and q["shape"] == (1, 512, 4096)
+    assert q["fwd_flops"] == 2 * 512 * 4096 * 4096
+    assert q["bwd_flops"] == 2 * q["fwd_flops"]
+    assert q["layer"] == 0 and q["bytes"] > 0
+
+
+def test_repeated_layers_are_identical(graphs):
+    g = graphs["llama3-70b"]
+    prefix = g.graph["layer_prefix"]
+    assert prefix == "model.layers"
+    assert layer_signature(g, 0, prefix) == layer_signature(g, 1, prefix)
+    assert len(layer_signature(g, 0, prefix)) > 20
+
+
+def test_llama3_8b_training_flops_match_6nt_plus_attention():
+    seq = 4096
+    g = trace("llama3-8b", 1, seq)
+    config = load_config("llama3-8b")
+    h, layers = config.hidden_size, config.num_hidden_layers
+    n_params = sum(math.prod(s) for s in g.graph["param_shapes"].values())
+    n_matmul = n_params - config.vocab_size * h  # the input embedding is a lookup, not a matmul
+    # 12 * layers * seq * hidden per token for attention, halved for causal kernels
+    expected = 6 * n_matmul * seq + 6 * layers * seq * h * seq
+    assert totals(g)["train_flops"] == pytest.approx(expected, rel=0.02)
+
+
+def test_hf_module_input():
+    model = build_model(load_config("llama-tiny"), "meta")
+    g = trace(model, 1, 16)
+    assert g.graph["layers"] == 2 and g.graph["model"] == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"model_type": "bert", "hidden_size": 8}, "model_type"),
+        ({**PRESETS["llama-tiny"], "hidden_size": -4}, "hidden_size"),
+        ({**PRESETS["llama-tiny"], "num_hidden_layers": 0}, "num_hidden_layers"),
+        ({**PRESETS["llama-tiny"], "hidden_size": 10**7}, "hidden_size"),
+        ({**PRESETS["llama-tiny"], "vocab_size": "big"}, "vocab_size"),
+        ({k: v for k, v in PRESETS["llama-tiny"].items() if k != "num_attention_heads"},
+         "num_attention_heads"),
+        ({**PRESETS["llama-tiny"], "num_key_value_heads": 3}, "num_key_value_heads"),
+    ],
+)
+def test_bad_configs_give_one_line_errors(config, field):
+    with pytest.raises(ConfigError) as err:
+        trace(config, 1, 16)
+    msg = str(err.value)
+    assert msg.startswith(field) and "\n" not in msg
+
+
+def test_bad_model_names_and_files(tmp_path):
+    with pytest.raises(ConfigError, match="neither a preset"):
+        load_config("llama-99b")
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(str(bad))
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(PRESETS["llama-tiny"]))
+    assert load_config(str(good)).hidden_size == 32
+
+
+def test_seq_len_beyond_positions():
+    with pytest.raises(ConfigError, match="seq_len"):
+        trace("gpt2-tiny", 1, 4096)
+    with pytest.raises(ConfigError, match="batch_size"):
+        trace("gpt2-tiny", 0, 16)
