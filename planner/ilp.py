@@ -51,7 +51,8 @@ class Solution:
     solve_time_s: float
     gap: float | None
     reshard_s: float  # forward + backward resharding per step of the chosen layouts
-    edges: list[tuple[str, str, tuple[str, ...], tuple[str, ...]]] = field(default_factory=list)
+    # (tensor, from layout, to layout, seconds per step) of every reshard the solution pays
+    edges: list[tuple[str, tuple[str, ...], tuple[str, ...], float]] = field(default_factory=list)
 
 
 @dataclass
@@ -114,8 +115,13 @@ def _solver(time_limit_s: float | None) -> tuple[pulp.LpSolver, str]:
 
 def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
           memory_budget: float, tied: dict[str, list[str]] | None = None,
-          time_limit_s: float | None = None) -> Solution:
-    """Solve the ILP above; raises InfeasibleError with the memory the best layout needs."""
+          time_limit_s: float | None = None, state_divisor: int = 1) -> Solution:
+    """Solve the ILP above; raises InfeasibleError with the memory the best layout needs.
+
+    ``state_divisor``: pipeline stages each hold 1/pp of the model states, while the
+    first stage of 1F1B holds pp micro-batches of its 1/pp of the layers, i.e. one
+    micro-batch of the whole model's activations: so states are divided, activations not.
+    """
     for u in units.values():
         if not u.choices:
             raise InfeasibleError(f"no valid placement for {u.kind} {u.key} ({u.module or 'model'})")
@@ -151,7 +157,8 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
                 prob += w >= pulp.lpSum(vs) + z - 1
                 objective.append(cost * w)
     prob += pulp.lpSum(objective)
-    mem = [v * (sum(c.state) + c.act_bytes) for k, u in units.items() for v, c in zip(x[k], u.choices)]
+    mem = [v * (sum(c.state) / state_divisor + c.act_bytes)
+           for k, u in units.items() for v, c in zip(x[k], u.choices)]
     prob += pulp.lpSum(mem) <= memory_budget, "memory"
     for param, keys in (tied or {}).items():
         first, *rest = keys
@@ -167,7 +174,7 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
     status = pulp.LpStatus[prob.status]
     values = {k: [v.value() or 0.0 for v in vs] for k, vs in x.items()}
     if status != "Optimal" and not all(max(vs) > 0.5 for vs in values.values()):
-        need = min_memory(units)
+        need = min_memory(units, state_divisor)
         raise InfeasibleError(
             f"devices: no layout fits; the leanest needs {need / 2**30:.1f} GiB per device, "
             f"{memory_budget / 2**30:.1f} GiB usable")
@@ -190,10 +197,11 @@ def realised_resharding(ctx: Context, units: dict[str, Unit], tensor_map: dict[s
             cost = reshard_s(ctx, t, src, lay) * t.weight
             if cost:
                 total += cost
-                edges.append((t.key, units[t.producer].module, src, lay))
+                edges.append((t.key, src, lay, cost))
     return total, edges
 
 
-def min_memory(units: dict[str, Unit]) -> float:
+def min_memory(units: dict[str, Unit], state_divisor: int = 1) -> float:
     """Bytes per device of the leanest choice per unit (a lower bound of any layout)."""
-    return sum(min(sum(c.state) + c.act_bytes for c in u.choices) for u in units.values() if u.choices)
+    return sum(min(sum(c.state) / state_divisor + c.act_bytes for c in u.choices)
+               for u in units.values() if u.choices)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -158,8 +159,9 @@ def load_config(source: str | Path | Mapping[str, Any] | PretrainedConfig) -> Pr
     kwargs = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
     try:
         config = AutoConfig.for_model(data["model_type"], **kwargs)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"model: invalid {data['model_type']} config: {e}") from None
+    except (TypeError, ValueError, StrictDataclassError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"model: invalid {data['model_type']} config: {first}") from None
     config.name_or_path = name
     return config
 

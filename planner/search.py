@@ -13,6 +13,7 @@ choices, so plans and hand layouts are compared by one cost function.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
@@ -25,8 +26,9 @@ import networkx as nx
 from cost_model.compute import op_time, peak_flops
 from cost_model.memory import usable_bytes
 from cost_model.profile import Profile, load_profile
-from cost_model.step import StageCost, compose_step
+from cost_model.step import StageCost, StepBreakdown, compose_step
 from planner.ilp import InfeasibleError, Solution, min_memory, solve, tensors
+from planner.pipeline import SCHEDULES, Stage, best_pipeline, stage_modules
 from planner.presets import load_config
 from planner.schema import (
     Alternative,
@@ -37,6 +39,8 @@ from planner.schema import (
     MeshDim,
     ModuleLayout,
     ParameterPlacement,
+    Pipeline,
+    PipelineStage,
     Plan,
     Prediction,
     SolverStats,
@@ -68,10 +72,14 @@ class PlanningError(ValueError):
 
 @dataclass
 class Candidate:
-    ctx: Context
+    ctx: Context  # the dp x tp sub-mesh the ILP solved on
     units: dict[str, Unit]
     solution: Solution
     prediction: Prediction
+    pp: int = 1
+    stages: list[Stage] | None = None
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
 
 
 def _feature_divisor(graph: nx.DiGraph, config: Any) -> int:
@@ -92,26 +100,8 @@ def _context(profile: Profile, names: Sequence[str], shape: Sequence[int], batch
     )
 
 
-def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution) -> Prediction:
-    """Step time and memory of a solved assignment, composed by ``cost_model.step``."""
-    chosen = sol.choice.values()
-    m = ctx.microbatches
-    compute = sum(c.compute_s for c in chosen)
-    gather = sum(c.gather_s for c in chosen)
-    state = [sum(c.state[i] for c in chosen) for i in range(3)]
-    devices = math.prod(ctx.mesh_shape)
-    # Adam touches weights, grads and states once each: memory bound, per device.
-    opt = op_time(ctx.profile, 0, 2 * sum(state), ctx.dtype)
-    recompute_share = 1 / 4 if ctx.checkpointing == "full" else 0.0
-    fwd = compute * (1 / 3 if not recompute_share else 1 / 4)
-    stage = StageCost(
-        forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m,
-        blocking_comm_s=sol.reshard_s / m, gather_forward_s=gather / (2 * m),
-        gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen),
-        optimizer_s=opt, layers=max(graph.graph["layers"], 1),
-    )
-    b = compose_step([stage], microbatches=m)
-    acts = sum(c.act_bytes for c in chosen)
+def _prediction(ctx: Context, graph: nx.DiGraph, b: StepBreakdown, state: Sequence[float],
+                acts: float, devices: int) -> Prediction:
     total = int(sum(state) + acts)
     memory = MemoryBreakdown(
         parameters=int(state[0]), gradients=int(state[1]), optimizer=int(state[2]),
@@ -128,43 +118,86 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     )
 
 
-def _solve(ctx: Context, graph: nx.DiGraph, pins: Callable[[Unit], None] | None,
-           time_limit_s: float | None) -> Candidate:
+def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution) -> Prediction:
+    """Step time and memory of a solved assignment without pipelining (``cost_model.step``)."""
+    chosen = sol.choice.values()
+    m = ctx.microbatches
+    compute = sum(c.compute_s for c in chosen)
+    gather = sum(c.gather_s for c in chosen)
+    state = [sum(c.state[i] for c in chosen) for i in range(3)]
+    fwd = compute / (4 if ctx.checkpointing == "full" else 3)  # backward = 2x forward (+ recompute)
+    stage = StageCost(
+        forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m,
+        blocking_comm_s=sol.reshard_s / m, gather_forward_s=gather / (2 * m),
+        gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen),
+        # Adam touches weights, grads and states once each: memory bound, per device.
+        optimizer_s=op_time(ctx.profile, 0, 2 * sum(state), ctx.dtype),
+        layers=max(graph.graph["layers"], 1),
+    )
+    acts = sum(c.act_bytes for c in chosen)
+    return _prediction(ctx, graph, compose_step([stage], microbatches=m), state, acts,
+                       math.prod(ctx.mesh_shape))
+
+
+def _units(ctx: Context, graph: nx.DiGraph, pins: Callable[[Unit], None] | None
+           ) -> tuple[dict[str, Unit], dict[str, str]]:
     units, unit_of = build_units(ctx, graph)
     if pins:
         for u in units.values():
             pins(u)
+    return units, unit_of
+
+
+def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dict[str, str],
+           time_limit_s: float | None, pp: int = 1,
+           schedules: tuple[tuple[str, int], ...] = SCHEDULES) -> Candidate:
     tmap = tensors(ctx, graph, units, unit_of, canonical_map(graph))
-    budget = usable_bytes(ctx.profile)
     tied: dict[str, list[str]] = {}
     for k, u in units.items():
         for fqn in {f for c in u.choices for f in c.weights}:
             tied.setdefault(fqn, []).append(k)
     tied = {f: ks for f, ks in tied.items() if len(ks) > 1}
-    sol = solve(ctx, units, tmap, budget, tied, time_limit_s)
-    return Candidate(ctx, units, sol, evaluate(ctx, graph, units, sol))
+    sol = solve(ctx, units, tmap, usable_bytes(ctx.profile), tied, time_limit_s, state_divisor=pp)
+    if pp == 1:
+        return Candidate(ctx, units, sol, evaluate(ctx, graph, units, sol))
+    found = best_pipeline(ctx, graph, units, sol, pp, schedules)
+    if found is None:
+        raise InfeasibleError(f"no split of {graph.graph['layers']} layers into {pp} stages fits")
+    stages, schedule, virtual, b = found
+    heavy = max(stages, key=lambda st: st.memory)
+    share = (heavy.layers[1] - heavy.layers[0]) / graph.graph["layers"]
+    state = [sum(c.state[i] for c in sol.choice.values()) * share for i in range(3)]
+    pred = _prediction(ctx, graph, b, state, heavy.memory - sum(state),
+                       pp * math.prod(ctx.mesh_shape))
+    return Candidate(ctx, units, sol, pred, pp, stages, schedule, virtual)
 
 
-def mesh_candidates(devices: int, profile: Profile, divisor: int,
+def mesh_candidates(devices: int, profile: Profile, divisor: int, layers: int,
                     mesh: Mapping[str, int] | None) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Named mesh shapes to try: dims ordered pp, dp, tp (tp innermost: inside a node)."""
+    order = ("pp", "dp", "tp")
     if mesh is not None:
-        names = tuple(mesh)
-        unknown = [n for n in names if n not in ("dp", "tp")]
+        unknown = [n for n in mesh if n not in order]
         if unknown:
-            raise PlanningError(f"mesh: unknown dim {unknown[0]!r} (supported: dp, tp; pp arrives with pipelining)")
-        if any(int(v) < 1 for v in mesh.values()):
-            raise PlanningError(f"mesh: sizes must be >= 1, got {dict(mesh)}")
+            raise PlanningError(f"mesh: unknown dim {unknown[0]!r} (supported: pp, dp, tp)")
+        if any(not isinstance(v, int) or v < 1 for v in mesh.values()):
+            raise PlanningError(f"mesh: sizes must be positive integers, got {dict(mesh)}")
         if math.prod(mesh.values()) != devices:
             raise PlanningError(f"mesh: {dict(mesh)} has {math.prod(mesh.values())} devices, devices={devices}")
-        ordered = sorted(names, key=("dp", "tp").index)
+        if mesh.get("pp", 1) > layers:
+            raise PlanningError(f"mesh: pp={mesh['pp']} exceeds the model's {layers} layers")
+        ordered = sorted(mesh, key=order.index)
         return [(tuple(ordered), tuple(int(mesh[n]) for n in ordered))]
     node = profile.levels[0].devices or devices
-    out = []
-    tp = 1
-    while tp <= min(node, devices) and devices % tp == 0:
-        if divisor % tp == 0 or tp == 1:
-            out.append((("dp", "tp"), (devices // tp, tp)) if tp > 1 else (("dp",), (devices,)))
-        tp *= 2
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= min(node, devices) and devices % t == 0
+           and (t == 1 or divisor % t == 0)]
+    out = [(("dp", "tp"), (devices // t, t)) if t > 1 else (("dp",), (devices,)) for t in tps]
+    # Pipelining pays off across nodes: try pp with a full node of tp (and half of one).
+    if devices > node:
+        for pp in (2, 4, 8, 16):
+            for t in tps[-2:]:
+                if devices % (pp * t) == 0 and pp <= layers // 2 and t > 1:
+                    out.append((("pp", "dp", "tp"), (pp, devices // (pp * t), t)))
     return out
 
 
@@ -179,33 +212,47 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
     leanest = math.inf
     deadline = time.perf_counter() + time_limit_s if time_limit_s else None
     for names, shape in meshes:
-        dp = shape[0] if names[0] == "dp" else 1
+        pp = shape[0] if names[0] == "pp" else 1
+        sub_names, sub_shape = (names[1:], shape[1:]) if pp > 1 else (names, shape)
+        dp = sub_shape[0] if sub_names[0] == "dp" else 1
+        mesh_d = dict(zip(names, shape))
         if batch % dp:
-            alternatives.append(Alternative(mesh=dict(zip(names, shape)), step_time_s=None, fits=False,
+            alternatives.append(Alternative(mesh=mesh_d, step_time_s=None, fits=False,
                                             note=f"batch_size {batch} is not divisible by dp={dp}"))
             continue
         fsdp_modes = [fixed["fsdp"]] if fixed else ([False, True] if dp > 1 else [False])
+        schedules = fixed["schedules"] if fixed else SCHEDULES
         for fsdp in fsdp_modes:
             ckpts = [fixed["checkpointing"]] if fixed else ["none", "full"]
-            micro = [fixed["microbatches"]] if fixed else [m for m in (1, 2, 4, 8, 16, 32, 64)
-                                                          if batch % (dp * m) == 0]
+            micro = [fixed["microbatches"]] if fixed else [
+                m for m in (1, 2, 4, 8, 16, 32, 64, 128) if (batch // dp) % m == 0 and m >= pp]
+            if pp > 1 and not fixed:
+                micro = micro[:1] + [m for m in micro[1:] if m <= 4 * pp]  # more shrinks the bubble
             found = None
             for ckpt in ckpts:
                 for m in micro:
-                    ctx = _context(profile, names, shape, batch, seq, m, fsdp, ckpt, divisor)
+                    ctx = _context(profile, sub_names, sub_shape, batch, seq, m, fsdp, ckpt, divisor)
                     left = deadline - time.perf_counter() if deadline else None
                     if left is not None and left <= 0 and best is not None:
                         break
+                    units, unit_of = _units(ctx, graph, pins)
+                    if any(not u.choices for u in units.values()):
+                        continue  # the pins leave this unit nothing on this mesh
+                    if min_memory(units, pp) > usable_bytes(profile):
+                        leanest = min(leanest, min_memory(units, pp))
+                        continue  # cannot fit: skip the solve
                     try:
-                        found = _solve(ctx, graph, pins, max(left, 1.0) if left else None)
+                        cand = _solve(ctx, graph, units, unit_of, max(left, 1.0) if left else None,
+                                      pp, schedules)
                     except InfeasibleError:
-                        units, _ = build_units(ctx, graph)
-                        leanest = min(leanest, min_memory(units))
+                        leanest = min(leanest, min_memory(units, pp))
                         continue
-                    break
+                    if found is None or cand.prediction.time.step_time_s < found.prediction.time.step_time_s:
+                        found = cand
+                    if pp == 1:
+                        break  # more micro-batches only cost time without a pipeline
                 if found:
                     break
-            mesh_d = dict(zip(names, shape))
             label = f"{'x'.join(f'{k}={v}' for k, v in mesh_d.items())} {'fsdp' if fsdp else 'replicate'}"
             if not found:
                 alternatives.append(Alternative(mesh=mesh_d, step_time_s=None, fits=False,
@@ -213,10 +260,12 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                 progress(f"  {label}: no layout fits")
                 continue
             p = found.prediction
+            extra = f", schedule={found.schedule}" if found.pp > 1 else ""
             alternatives.append(Alternative(
                 mesh=mesh_d, step_time_s=p.time.step_time_s, peak_memory_bytes=p.memory.total,
                 fits=p.memory.fits,
-                note=f"{label}, checkpointing={found.ctx.checkpointing}, microbatches={found.ctx.microbatches}"))
+                note=f"{label}, checkpointing={found.ctx.checkpointing}, "
+                     f"microbatches={found.ctx.microbatches}{extra}"))
             progress(f"  {label}: {p.time.step_time_s * 1e3:.1f} ms/step, "
                      f"{p.memory.total / 2**30:.1f} GiB/device")
             if best is None or p.time.step_time_s < best.prediction.time.step_time_s:
@@ -225,6 +274,11 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
         f"; the leanest layout needs {leanest / 2**30:.1f} GiB per device, "
         f"{usable_bytes(profile) / 2**30:.1f} GiB usable on {profile.name}")
     return best, alternatives, need
+
+
+def _lead(cand: Candidate) -> tuple[str, ...]:
+    """Placements on the pp dim: stages hold different layers, nothing is split across it."""
+    return ("R",) if cand.pp > 1 else ()
 
 
 def _parameters(graph: nx.DiGraph, cand: Candidate) -> list[ParameterPlacement]:
@@ -237,7 +291,7 @@ def _parameters(graph: nx.DiGraph, cand: Candidate) -> list[ParameterPlacement]:
     for fqn in graph.graph["param_shapes"]:
         pat = fqn_pattern(fqn)
         out[pat] = placed.get(pat, ("R",) * ndim)
-    return [ParameterPlacement(fqn=k, placements=list(v)) for k, v in out.items()]
+    return [ParameterPlacement(fqn=k, placements=[*_lead(cand), *v]) for k, v in out.items()]
 
 
 def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
@@ -252,14 +306,15 @@ def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
             continue
         if u.kind == "anchor" and d["short"] != "scaled_dot_product_attention":
             in_shape = d["in_shapes"][0] if d["short"] != "addmm" else d["in_shapes"][1]
-            inp = [concrete(x, in_shape, seq) for x in c.inp] if d["short"] != "embedding" else None
-            outp = [concrete(x, d["shape"], seq) for x in c.out]
+            inp = ([*_lead(cand), *(concrete(x, in_shape, seq) for x in c.inp)]
+                   if d["short"] != "embedding" else None)
+            outp = [*_lead(cand), *(concrete(x, d["shape"], seq) for x in c.out)]
             out[fqn_pattern(u.module)] = ModuleLayout(module=fqn_pattern(u.module), input=inp, output=outp)
         elif u.kind == "segment":
             for n in u.nodes:
                 nd = graph.nodes[n]
                 if nd["short"] in REDUCING_OPS and nd["module"] and len(nd["shape"]) == 3:
-                    pl = [concrete(x, nd["shape"], seq) for x in c.out]
+                    pl = [*_lead(cand), *(concrete(x, nd["shape"], seq) for x in c.out)]
                     pat = fqn_pattern(nd["module"])
                     out[pat] = ModuleLayout(module=pat, input=pl, output=pl)
     return list(out.values())
@@ -282,6 +337,18 @@ ELEMENTWISE = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "silu", "gelu"
                "new_ones", "ones_like", "zeros_like", "empty_like", "clamp", "abs", "sqrt"}
 
 
+def default_shape(model: Any, devices: int, batch_size: int | None = None,
+                  seq_len: int | None = None) -> tuple[int, int]:
+    """(batch_size, seq_len) with the defaults filled in: one sequence per device
+    (divisible by any data-parallel degree) and the model's context capped at 4096."""
+    if seq_len is None:
+        config = None if hasattr(model, "named_parameters") else load_config(model)
+        max_pos = (getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+                   if config is not None else None)
+        seq_len = min(4096, max_pos or 4096)
+    return (devices if batch_size is None else batch_size), seq_len
+
+
 def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
              seq_len: int | None) -> tuple[nx.DiGraph, Profile, int, int, Any]:
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
@@ -290,15 +357,20 @@ def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
     if prof.max_devices is not None and devices > prof.max_devices:
         raise PlanningError(f"devices: {devices} exceeds the {prof.max_devices} devices profile {prof.name!r} describes")
     config = None if hasattr(model, "named_parameters") else load_config(model)
-    if seq_len is None:
-        max_pos = (getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-                   if config is not None else None)
-        seq_len = min(4096, max_pos or 4096)
-    batch = devices if batch_size is None else batch_size
+    batch, seq_len = default_shape(config if config is not None else model, devices, batch_size, seq_len)
     if batch < 1:
         raise PlanningError(f"batch_size: must be positive, got {batch}")
-    graph = trace(config if config is not None else model, 1, seq_len)
+    graph = _trace_preset(model, seq_len) if isinstance(model, str) else trace(
+        config if config is not None else model, 1, seq_len)
     return graph, prof, batch, seq_len, config
+
+
+@functools.lru_cache(maxsize=8)
+def _trace_preset(model: str, seq_len: int) -> nx.DiGraph:
+    """Graphs of named models are reused: a plan and the estimates that check it, or a
+    service worker answering many requests, trace each (model, seq_len) once.
+    Callers never mutate the graph."""
+    return trace(model, 1, seq_len)
 
 
 def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: int | None = None,
@@ -311,8 +383,8 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
     say(f"tracing {model if isinstance(model, str) else type(model).__name__} ...")
     graph, prof, batch, seq, config = _resolve(model, devices, profile, batch_size, seq_len)
     divisor = _feature_divisor(graph, config) if config is not None else 1
-    meshes = mesh_candidates(devices, prof, divisor, mesh)
-    pins = _constraint_pins(constraints, len(meshes[0][0]) if mesh else None)
+    meshes = mesh_candidates(devices, prof, divisor, graph.graph["layers"], mesh)
+    pins = _constraint_pins(constraints)
     say(f"traced {totals(graph)['nodes']} nodes ({graph.graph['traced_layers']} of "
         f"{graph.graph['layers']} layers exported) in {time.perf_counter() - t0:.1f}s; "
         f"searching {len(meshes)} mesh shape(s)")
@@ -321,7 +393,8 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
     if best is None or not best.prediction.memory.fits:
         raise PlanningError(f"devices: no layout of {model_label(model)} fits on {devices} x {prof.name}{need}")
     total = time.perf_counter() - t0
-    say(f"best: {dict(zip(best.ctx.mesh_names, best.ctx.mesh_shape))}, "
+    say(f"best: {'x'.join(f'{n}={s}' for n, s in zip(best.ctx.mesh_names, best.ctx.mesh_shape))}"
+        f"{f' pp={best.pp} ' + best.schedule if best.pp > 1 else ''}, "
         f"{best.prediction.time.step_time_s * 1e3:.1f} ms/step ({total:.1f}s)")
     return _assemble(model, graph, prof, devices, best, alts, total)
 
@@ -335,11 +408,17 @@ def model_label(model: Any) -> str:
 def _assemble(model: Any, graph: nx.DiGraph, prof: Profile, devices: int, best: Candidate,
               alts: list[Alternative], total_s: float) -> Plan:
     ctx, sol = best.ctx, best.solution
+    dims = [MeshDim(name=n, size=s) for n, s in zip(ctx.mesh_names, ctx.mesh_shape)]
+    pipeline = None
+    if best.pp > 1:
+        dims.insert(0, MeshDim(name="pp", size=best.pp))
+        pipeline = Pipeline(schedule=best.schedule, virtual_stages=best.virtual_stages, stages=[
+            PipelineStage(index=i, modules=mods,
+                          predicted_time_s=st.cost.forward_compute_s + st.cost.backward_compute_s)
+            for i, (st, mods) in enumerate(zip(best.stages, stage_modules(graph, best.stages)))])
     return Plan(
         model=model_label(model), profile=prof.name, devices=devices, batch_size=ctx.batch_size,
-        seq_len=ctx.seq_len,
-        mesh=Mesh(dims=[MeshDim(name=n, size=s) for n, s in zip(ctx.mesh_names, ctx.mesh_shape)],
-                  device_type=prof.device_type),
+        seq_len=ctx.seq_len, mesh=Mesh(dims=dims, device_type=prof.device_type), pipeline=pipeline,
         parameters=_parameters(graph, best), modules=_modules(graph, best),
         data_parallel=[DataParallelDim(dim="dp", mode="fully_shard" if ctx.fsdp else "replicate")]
         if "dp" in ctx.mesh_names else [],
@@ -353,8 +432,7 @@ def _assemble(model: Any, graph: nx.DiGraph, prof: Profile, devices: int, best: 
     )
 
 
-def _constraint_pins(constraints: Sequence[Mapping[str, Any]] | None,
-                     ndim: int | None) -> Callable[[Unit], None] | None:
+def _constraint_pins(constraints: Sequence[Mapping[str, Any]] | None) -> Callable[[Unit], None] | None:
     """User pins: ``{"param": pattern, "placements": [...]}`` keeps only matching choices."""
     if not constraints:
         return None
@@ -378,10 +456,14 @@ def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 
              checkpointing: str = "none", schedule: str = "1f1b", virtual_stages: int = 1,
              batch_size: int | None = None, seq_len: int | None = None) -> Prediction:
     """Predicted step time and memory of a hand layout (TorchTitan/Megatron style)."""
-    if pp != 1 or virtual_stages != 1:
-        raise PlanningError("pp: pipeline parallelism is not implemented yet (see the pipeline issue)")
     if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
-        raise PlanningError(f"schedule: unknown {schedule!r}")
+        raise PlanningError(f"schedule: expected gpipe, 1f1b or interleaved-1f1b, got {schedule!r}")
+    if virtual_stages < 1 or (virtual_stages > 1 and schedule != "interleaved-1f1b"):
+        raise PlanningError(f"virtual_stages: {virtual_stages} needs schedule interleaved-1f1b")
+    if pp < 1 or dp < 1 or tp < 1:
+        raise PlanningError(f"pp, dp, tp: must be >= 1, got pp={pp} dp={dp} tp={tp}")
+    if pp > 1 and microbatches < pp:
+        raise PlanningError(f"microbatches: {microbatches} < pp={pp} leaves pipeline stages idle")
     if checkpointing not in ("none", "selective", "full"):
         raise PlanningError(f"checkpointing: expected none, selective or full, got {checkpointing!r}")
     if checkpointing == "selective":
@@ -396,7 +478,11 @@ def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 
     divisor = _feature_divisor(graph, config) if config is not None else 1
     if tp > 1 and divisor % tp:
         raise PlanningError(f"tp: {tp} does not divide the attention heads ({divisor})")
+    if pp > graph.graph["layers"]:
+        raise PlanningError(f"pp: {pp} exceeds the model's {graph.graph['layers']} layers")
     names, shape = (("dp", "tp"), (dp, tp)) if tp > 1 else (("dp",), (dp,))
+    if pp > 1:
+        names, shape = ("pp", *names), (pp, *shape)
 
     def hand(unit: Unit) -> None:
         if tp == 1:
@@ -411,7 +497,8 @@ def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 
             if reduces:  # norms and residual stream: sequence parallel or replicated
                 unit.choices = [c for c in unit.choices if c.name == ("Q" if sp else "R")]
 
-    fixed = {"fsdp": fsdp, "checkpointing": checkpointing, "microbatches": microbatches}
+    fixed = {"fsdp": fsdp, "checkpointing": checkpointing, "microbatches": microbatches,
+             "schedules": ((schedule, virtual_stages),)}
     best, _alts, need = _search(graph, prof, devices, batch, seq, [(names, shape)], divisor, None,
                                 lambda _m: None, fixed=fixed, pins=hand)
     if best is None:

@@ -1,0 +1,200 @@
+"""Pipeline stages: split the repeated layers over a ``pp`` mesh dim (Alpa's inter-op pass).
+
+The placement ILP is solved once on the ``dp x tp`` sub-mesh; its per-unit costs are
+then split into a per-layer part (units inside the repeated layers) and the parts
+before the first layer (embeddings) and after the last (final norm, output head).
+Stages are contiguous runs of layers; dynamic programming over the layer count picks
+the split minimising the slowest stage's time under each stage's memory, where a
+stage's activations are multiplied by the micro-batches it holds in flight under the
+schedule (``cost_model.memory.inflight_microbatches``).  ``cost_model.step`` then
+composes the stages, bubble included (GPipe, 1F1B, interleaved 1F1B).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import networkx as nx
+
+from cost_model.comm import collective_time
+from cost_model.compute import op_time
+from cost_model.memory import inflight_microbatches, usable_bytes
+from cost_model.step import StageCost, StepBreakdown, compose_step
+from planner.ilp import Solution
+from planner.strategies import Context, Unit
+
+
+@dataclass(frozen=True)
+class Part:
+    """Per-micro-batch costs and per-device bytes of one slice of the model."""
+
+    compute_s: float = 0.0
+    blocking_s: float = 0.0
+    gather_s: float = 0.0
+    grad_sync_s: float = 0.0  # per step
+    state_bytes: float = 0.0
+    act_bytes: float = 0.0  # one micro-batch
+
+    def __add__(self, o: Part) -> Part:
+        return Part(*(a + b for a, b in zip(self.__dict__.values(), o.__dict__.values(), strict=True)))
+
+    def __mul__(self, k: float) -> Part:
+        return Part(*(a * k for a in self.__dict__.values()))
+
+
+@dataclass(frozen=True)
+class Stage:
+    layers: tuple[int, int]  # [start, end) of the repeated layers
+    first: bool
+    last: bool
+    cost: StageCost
+    memory: float
+
+
+def _first_nodes(graph: nx.DiGraph) -> set[str]:
+    """Nodes that run before the repeated layers (ancestors of the first layer's nodes)."""
+    if "first_nodes" not in graph.graph:  # cached on the graph: it never changes
+        layer_nodes = [n for n, d in graph.nodes(data=True) if d.get("layer") is not None]
+        first = min((graph.nodes[n]["layer"] for n in layer_nodes), default=None)
+        out: set[str] = set()
+        for n in layer_nodes:
+            if graph.nodes[n]["layer"] == first:
+                out |= nx.ancestors(graph, n)
+        graph.graph["first_nodes"] = {n for n in out if graph.nodes[n].get("layer") is None}
+    return graph.graph["first_nodes"]
+
+
+def stage_modules(graph: nx.DiGraph, stages: list[Stage]) -> list[list[str]]:
+    """Module FQNs each stage runs, in order: embeddings, layers, head."""
+    first = _first_nodes(graph)
+    before: list[str] = []
+    after: list[str] = []
+    for n, d in graph.nodes(data=True):
+        mod = d.get("module")
+        if d.get("layer") is not None or d["kind"] != "call_function" or not mod:
+            continue
+        target = before if n in first else after
+        if mod not in target:
+            target.append(mod)
+    prefix = graph.graph["layer_prefix"]
+    out = []
+    for st in stages:
+        mods = [f"{prefix}.{i}" for i in range(*st.layers)]
+        out.append((before if st.first else []) + mods + (after if st.last else []))
+    return out
+
+
+def split_parts(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution) -> tuple[Part, Part, Part]:
+    """(one layer, before the layers, after the layers) of a solved assignment."""
+    layers = graph.graph["layers"]
+    first_nodes = _first_nodes(graph)
+    m = ctx.microbatches
+    per_layer, first, last = Part(), Part(), Part()
+    reshard_by_unit: dict[str, float] = {}
+    for t_key, _src, _dst, cost in sol.edges:
+        reshard_by_unit[t_key] = reshard_by_unit.get(t_key, 0.0) + cost
+    for key, choice in sol.choice.items():
+        u = units[key]
+        w = {"layer": 0.0, "first": 0.0, "last": 0.0}
+        for n in u.nodes:
+            d = graph.nodes[n]
+            proxy = d["fwd_flops"] + d["bytes"] + 1.0
+            where = "layer" if d.get("layer") is not None else ("first" if n in first_nodes else "last")
+            w[where] += proxy
+        total = sum(w.values())
+        part = Part(choice.compute_s / m, sum(reshard_by_unit.get(n, 0.0) for n in u.nodes) / m,
+                    choice.gather_s / m, choice.grad_sync_s, sum(choice.state), choice.act_bytes)
+        per_layer = per_layer + part * (w["layer"] / total / layers)
+        first = first + part * (w["first"] / total)
+        last = last + part * (w["last"] / total)
+    return per_layer, first, last
+
+
+def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, last: Part,
+           schedule: str, virtual: int, p2p_s: float) -> tuple[StageCost, float]:
+    part = layer * n + (first if index == 0 else Part()) + (last if index == pp - 1 else Part())
+    fwd = part.compute_s / (4 if ctx.checkpointing == "full" else 3)
+    cost = StageCost(
+        forward_compute_s=fwd, backward_compute_s=part.compute_s - fwd,
+        blocking_comm_s=part.blocking_s, gather_forward_s=part.gather_s / 2,
+        gather_backward_s=part.gather_s / 2, p2p_s=p2p_s * virtual,
+        grad_reduce_s=part.grad_sync_s, layers=max(n, 1),
+        # Adam touches weights, grads and states once each: memory bound
+        optimizer_s=op_time(ctx.profile, 0, 2 * part.state_bytes, ctx.dtype),
+    )
+    inflight = inflight_microbatches(schedule, pp, ctx.microbatches, index, virtual)
+    return cost, part.state_bytes + part.act_bytes * inflight
+
+
+def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last: Part,
+              schedule: str, virtual: int, p2p_s: float) -> list[Stage] | None:
+    """Contiguous layer counts per stage minimising the slowest stage that fits (DP)."""
+    budget = usable_bytes(ctx.profile)
+    inf = (math.inf, None)
+    memo: dict[tuple[int, int], tuple[StageCost, float]] = {}
+
+    def stage(i: int, n: int) -> tuple[StageCost, float]:
+        if (i, n) not in memo:  # layers are identical: a stage is its index and size
+            memo[i, n] = _stage(ctx, pp, i, n, layer, first, last, schedule, virtual, p2p_s)
+        return memo[i, n]
+
+    # best[i][j]: (slowest stage time, counts) placing the first j layers on stages 0..i-1
+    best = [[inf] * (layers + 1) for _ in range(pp + 1)]
+    best[0][0] = (0.0, ())
+    for i in range(pp):
+        for j in range(layers + 1):
+            if best[i][j][1] is None:
+                continue
+            for n in range(1, layers - j + 1):
+                if i == pp - 1 and j + n != layers:
+                    continue
+                if n % virtual:
+                    continue
+                cost, mem = stage(i, n)
+                if mem > budget:
+                    continue
+                t = cost.forward_compute_s + cost.backward_compute_s + cost.blocking_comm_s
+                cand = (max(best[i][j][0], t), best[i][j][1] + (n,))
+                if cand[0] < best[i + 1][j + n][0]:
+                    best[i + 1][j + n] = cand
+    counts = best[pp][layers][1]
+    if counts is None:
+        return None
+    stages, start = [], 0
+    for i, n in enumerate(counts):
+        cost, mem = stage(i, n)
+        stages.append(Stage((start, start + n), i == 0, i == pp - 1, cost, mem))
+        start += n
+    return stages
+
+
+def p2p_time(ctx: Context, graph: nx.DiGraph, mesh_shape: tuple[int, ...]) -> float:
+    """Send + receive of one micro-batch's activation and its gradient between stages."""
+    hidden = next(d["shape"][-1] for _, d in graph.nodes(data=True) if d.get("short") == "embedding")
+    dp = math.prod(n for name, n in zip(ctx.mesh_names, ctx.mesh_shape, strict=True) if name == "dp")
+    nbytes = ctx.microbatch / dp * ctx.seq_len * hidden * ctx.act_itemsize
+    return 2 * collective_time(ctx.profile, "send_recv", nbytes, mesh_shape, 0)
+
+
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
+
+
+def best_pipeline(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution, pp: int,
+                  schedules: tuple[tuple[str, int], ...] = SCHEDULES,
+                  ) -> tuple[list[Stage], str, int, StepBreakdown] | None:
+    """The best (stages, schedule, virtual stages, step breakdown) over ``schedules``."""
+    layer, first, last = split_parts(ctx, graph, units, sol)
+    layers = graph.graph["layers"]
+    p2p = p2p_time(ctx, graph, (pp, *ctx.mesh_shape))
+    best = None
+    for schedule, virtual in schedules:
+        if virtual > 1 and (ctx.microbatches % pp or layers < pp * virtual):
+            continue
+        stages = partition(ctx, layers, pp, layer, first, last, schedule, virtual, p2p)
+        if stages is None:
+            continue
+        b = compose_step([s.cost for s in stages], ctx.microbatches, schedule, virtual)
+        if best is None or b.step_time_s < best[3].step_time_s:
+            best = (stages, schedule, virtual, b)
+    return best

@@ -1,0 +1,244 @@
+"""The planner service: FastAPI app over the plan store and the planner workers.
+
+Request handlers never solve on the event loop (solves run in ``service.worker``
+processes) and never wait on an fsync there (store writes run in the thread pool;
+reads are WAL reads, which no writer blocks), so ``/healthz`` and the GET routes
+stay fast while many plans are being solved.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Query, Request, Response
+from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.models import (
+    ErrorResponse,
+    Health,
+    PlanList,
+    PlanRequest,
+    PlanResponse,
+    PlanSummary,
+    ProfileList,
+    StoredPlanResponse,
+)
+from service.store import ID_LENGTH, PlanStore, StoredPlan, default_db_path
+from service.worker import (
+    PlannerBusy,
+    PlannerFailed,
+    PlannerPool,
+    PlannerUnavailable,
+    PlanningInputError,
+    PlanningTimeout,
+    SingleFlight,
+)
+
+STATIC_DIR = Path(__file__).parent / "static"
+MAX_BODY_BYTES = 1 << 20
+# The viewer loads nothing from the network: only this origin's files.
+VIEWER_CSP = ("default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+              "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (404, 413, 422, 503, 504)
+}
+PLAN_ID = PathParam(pattern=f"^[0-9a-f]{{{ID_LENGTH}}}$", description="plan id")
+
+
+class BodySizeLimit:
+    """Reject request bodies over ``max_bytes`` with 413.  Starlette has no such limit
+    and uvicorn bounds only the headers, so without this a client could make the
+    server buffer and parse an arbitrarily large JSON body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._reject(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            # Chunked bodies carry no length: count as they arrive.  HTTPException
+            # raised here surfaces inside the route, where FastAPI turns it into a 413.
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return f"body: larger than the {self.max_bytes} byte limit"
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await JSONResponse({"detail": self._message()}, status_code=413)(scope, receive, send)
+
+
+def _field(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts: list[str] = []
+    for p in map(str, loc):
+        if p not in ("body", "query", "path") and (not parts or parts[-1] != p):
+            parts.append(p)  # a union tag repeats the field name: model.hf_config.hf_config
+    return ".".join(parts) or "body"
+
+
+def _problem(error: dict[str, Any]) -> str:
+    if error["type"] == "json_invalid":
+        return f"body: invalid JSON ({error.get('ctx', {}).get('error', 'unparsable')})"
+    return f"{_field(error['loc'])}: {error['msg'].removeprefix('Value error, ')}"
+
+
+def validation_message(errors: list[dict[str, Any]]) -> str:
+    """pydantic errors as 'field: problem' lines, the format of every 4xx here."""
+    return "\n".join(_problem(e) for e in errors)
+
+
+@lru_cache(maxsize=1)
+def _shipped_profiles() -> tuple[str, ...]:
+    try:
+        from cost_model.profile import shipped_profiles
+    except ImportError as e:
+        raise PlannerUnavailable(f"profiles are not available yet ({e})") from None
+    return tuple(shipped_profiles())
+
+
+def _summary(row: StoredPlan) -> PlanSummary:
+    return PlanSummary(id=row.id, model=row.model, devices=row.devices, profile=row.profile,
+                       created=row.created, step_time_s=row.step_time_s, mesh=json.loads(row.mesh))
+
+
+def _plan_response(row: StoredPlan, status: int, cached: bool | None = None) -> Response:
+    """The stored plan text spliced in as is: it was validated before it was stored, and
+    parsing and re-serialising it per request would dominate a cached request's time."""
+    head = {"id": row.id, "created": row.created} | ({} if cached is None else {"cached": cached})
+    body = json.dumps(head)[:-1] + ', "plan": ' + row.plan + "}"
+    return Response(body, status_code=status, media_type="application/json")
+
+
+def create_app(db_path: str | Path | None = None, *, workers: int = 2,
+               default_time_limit_s: float = 60.0, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The service.  ``default_time_limit_s`` is the solver limit when a request sets
+    none; a solve is killed after ``2 * limit + 30`` s wall clock (tracing and model
+    building are outside the solver's own limit)."""
+    store = PlanStore(db_path or default_db_path())
+    pool = PlannerPool(workers)
+    flights = SingleFlight()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        pool.start()
+        try:
+            yield
+        finally:
+            pool.close()
+            store.close()
+
+    app = FastAPI(title="meshplan", version="1.0",
+                  description="Auto-parallel training plans for PyTorch models.", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": validation_message(list(exc.errors()))}, status_code=422)
+
+    @app.exception_handler(PlannerUnavailable)
+    async def _unavailable(_request: Request, exc: PlannerUnavailable) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=503)
+
+    @app.exception_handler(PlannerFailed)
+    async def _failed(_request: Request, exc: PlannerFailed) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=500)
+
+    async def solve(request: PlanRequest, key: str) -> StoredPlan:
+        limit = request.time_limit_s or default_time_limit_s
+        kwargs = {"model": request.planner_model(), "devices": request.devices,
+                  "profile": request.profile, "batch_size": request.batch_size,
+                  "seq_len": request.seq_len, "mesh": request.mesh, "time_limit_s": limit}
+        try:
+            plan = await pool.plan(key[:8], kwargs, hard_limit_s=2 * limit + 30)
+        except PlanningInputError as e:
+            raise HTTPException(422, str(e)) from None
+        except PlannerBusy as e:
+            raise HTTPException(503, str(e), headers={"Retry-After": "10"}) from None
+        except PlanningTimeout as e:
+            raise HTTPException(504, str(e)) from None
+        return await run_in_threadpool(store.put, key, request.model_dump_json(), plan)
+
+    @app.post("/v1/plans", status_code=201, response_model=PlanResponse, responses={
+        200: {"model": PlanResponse, "description": "an identical request was planned before"},
+        **_ERRORS})
+    async def create_plan(request: PlanRequest) -> Response:
+        """Plan a model on a cluster; the same request again returns the stored plan (200)."""
+        if isinstance(request.profile, str) and request.profile not in _shipped_profiles():
+            raise HTTPException(422, f"profile: {request.profile!r} is not a shipped profile "
+                                     f"({', '.join(_shipped_profiles())}); or send the profile inline")
+        if request.batch_size is None or request.seq_len is None:
+            try:  # builds the model's config: off the event loop
+                request = await run_in_threadpool(request.with_defaults)
+            except ValueError as e:
+                raise HTTPException(422, str(e)) from None
+        key = request.key()
+        row = store.get_by_key(key)
+        cached = row is not None
+        if row is None:
+            row = await flights.run(key, lambda: solve(request, key))
+        return _plan_response(row, 200 if cached else 201, cached)
+
+    @app.get("/v1/plans", response_model=PlanList)
+    async def list_plans(limit: int = Query(100, ge=1, le=1000),
+                         offset: int = Query(0, ge=0, le=1 << 31)) -> PlanList:
+        """Newest first."""
+        return PlanList(plans=[_summary(r) for r in store.list(limit, offset)], total=store.count())
+
+    @app.get("/v1/plans/{plan_id}", response_model=StoredPlanResponse, responses=_ERRORS)
+    async def get_plan(plan_id: str = PLAN_ID) -> Response:
+        row = store.get(plan_id)
+        if row is None:
+            raise HTTPException(404, f"plan_id: no plan {plan_id!r}")
+        return _plan_response(row, 200)
+
+    @app.get("/v1/profiles", response_model=ProfileList, responses=_ERRORS)
+    def list_profiles() -> ProfileList:
+        return ProfileList(profiles=list(_shipped_profiles()))
+
+    @app.get("/v1/profiles/{name}", responses=_ERRORS)
+    def get_profile(name: str) -> dict[str, Any]:
+        """The profile's numbers (bandwidths, peak FLOP/s, memory)."""
+        if name not in _shipped_profiles():
+            raise HTTPException(404, f"name: {name!r} is not a shipped profile "
+                                     f"({', '.join(_shipped_profiles())})")
+        from cost_model.profile import load_profile
+
+        return load_profile(name).model_dump(mode="json")
+
+    @app.get("/healthz", response_model=Health)
+    async def healthz() -> Health:
+        """Answered on the event loop without touching the disk or the workers."""
+        return Health(status="ok", workers=pool.workers, busy_workers=pool.busy, solves=pool.solves)
+
+    def viewer() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Content-Security-Policy": VIEWER_CSP})
+
+    app.get("/", include_in_schema=False)(viewer)
+    app.get("/plans/{plan_id}", include_in_schema=False)(viewer)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    return app

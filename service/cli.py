@@ -1,0 +1,269 @@
+"""The ``meshplan`` command.
+
+Heavy imports (torch, the planner, uvicorn) happen inside the subcommand that
+needs them, so ``meshplan --help`` and argument errors are instant.  Every user
+mistake ends as one line ``meshplan: error: ...`` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed as one line, exit 2."""
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _require(module: str, name: str) -> Any:
+    """``module.name``, or a one-line error while that piece of meshplan is missing."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"{module}.{name} is not available yet in this install ({e})") from None
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``dp=8,tp=8`` -> {"dp": 8, "tp": 8}."""
+    mesh: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, size = part.strip().partition("=")
+        if not sep or not name or not size.isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r} is not NAME=SIZE (e.g. dp=8,tp=8)")
+        if name in mesh:
+            raise argparse.ArgumentTypeError(f"dim {name!r} given twice")
+        mesh[name] = int(size)
+    return mesh
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def _workload(args: argparse.Namespace) -> tuple[int, int]:
+    from service.models import default_batch_and_seq
+
+    return default_batch_and_seq(args.model, args.devices, args.batch_size, args.seq_len)
+
+
+# -- subcommands -----------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from service.app import create_app
+    from service.store import default_db_path
+
+    db = args.db or default_db_path()
+    _progress(f"meshplan: plans stored in {db}; viewer at http://{args.host}:{args.port}/")
+    app = create_app(db, workers=args.workers, default_time_limit_s=args.time_limit)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _check_output_dir(path: str) -> None:
+    """Fail before minutes of work, not after."""
+    if not Path(path).parent.is_dir():
+        raise UserError(f"-o: directory {Path(path).parent} does not exist")
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    plan_fn = _require("planner", "plan")
+    if args.output:
+        _check_output_dir(args.output)
+    batch, seq = _workload(args)
+    plan = plan_fn(args.model, devices=args.devices, profile=args.profile, batch_size=batch,
+                   seq_len=seq, mesh=args.mesh, time_limit_s=args.time_limit, progress=_progress)
+    text = plan.to_json()
+    if args.output:
+        _write(args.output, text + "\n")
+        _progress(f"wrote {args.output}")
+    else:
+        print(text)
+
+
+def cmd_estimate(args: argparse.Namespace) -> None:
+    estimate = _require("planner", "estimate")
+    batch, seq = _workload(args)
+    pred = estimate(args.model, args.devices, args.profile, dp=args.dp, tp=args.tp, pp=args.pp,
+                    fsdp=args.fsdp, sp=args.sp, microbatches=args.microbatches,
+                    checkpointing=args.checkpointing, schedule=args.schedule,
+                    virtual_stages=args.virtual_stages, batch_size=batch, seq_len=seq)
+    if args.json:
+        print(json.dumps(estimate_json(pred), indent=2))
+    else:
+        from service.terminal import render_prediction
+
+        print(render_prediction(pred))
+
+
+def estimate_json(pred: Any) -> dict[str, Any]:
+    """The flat figures SPEC promises, plus the full breakdown."""
+    return {
+        "step_time_s": pred.time.step_time_s,
+        "tokens_per_s_per_device": pred.tokens_per_s_per_device,
+        "mfu": pred.mfu,
+        "peak_memory_bytes_per_device": pred.memory.total,
+        "fits": pred.memory.fits,
+        "breakdown": {"time": pred.time.model_dump(), "memory": pred.memory.model_dump()},
+    }
+
+
+def cmd_show(args: argparse.Namespace) -> None:
+    from pydantic import ValidationError
+
+    from planner.schema import Plan
+    from service.terminal import render_plan
+
+    try:
+        text = Path(args.plan).read_text()
+    except OSError as e:
+        raise UserError(f"plan: cannot read {args.plan}: {e.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"plan: {args.plan} is not JSON: {e}") from None
+    if isinstance(data, dict) and "plan" in data and "schema_version" not in data:
+        data = data["plan"]  # a saved service response {"id": ..., "plan": {...}}
+    try:
+        plan = Plan.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "plan"
+        raise UserError(f"{args.plan}: {where}: {first['msg']} ({e.error_count()} problem(s))") from None
+    print(render_plan(plan))
+
+
+def cmd_profiles(_args: argparse.Namespace) -> None:
+    shipped = _require("cost_model.profile", "shipped_profiles")
+    load = _require("cost_model.profile", "load_profile")
+    for name in shipped():
+        prof = load(name)
+        print(f"{name:24} {prof.device_type:5} {prof.memory_bytes / 2**30:7.1f} GiB  {prof.source}")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    calibrate = _require("cost_model.calibrate", "calibrate")
+    output = Path(args.output)
+    _check_output_dir(args.output)
+    try:
+        calibrate(output, progress=_progress)
+    except OSError as e:
+        raise UserError(f"-o: cannot write {output}: {e.strerror}") from None
+
+
+def cmd_schema(_args: argparse.Namespace) -> None:
+    from planner.schema import plan_json_schema
+
+    print(json.dumps(plan_json_schema(), indent=2))
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text)
+    except OSError as e:
+        raise UserError(f"-o: cannot write {path}: {e.strerror}") from None
+
+
+# -- parser ---------------------------------------------------------------------
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="preset name or path to a Hugging Face config.json")
+    p.add_argument("--devices", type=_positive, required=True, help="number of devices")
+    p.add_argument("--profile", required=True, help="shipped profile name or path to a profile JSON")
+    p.add_argument("--batch-size", type=_positive, help="global batch in sequences (default: one per device)")
+    p.add_argument("--seq-len", type=_positive,
+                   help="sequence length (default: the model's max positions, at most 4096)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshplan", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the planner service and plan viewer")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--db", help="SQLite plan store (default: $XDG_DATA_HOME/meshplan/plans.db)")
+    p.add_argument("--workers", type=_positive, default=2, help="planner worker processes")
+    p.add_argument("--time-limit", type=_seconds, default=60.0,
+                   help="solver time limit when a request sets none (seconds)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("plan", help="plan a model on a cluster, print or write the plan JSON")
+    _workload_args(p)
+    p.add_argument("--mesh", type=parse_mesh, help="force a mesh, e.g. dp=8,tp=8")
+    p.add_argument("--time-limit", type=_seconds, help="solver time limit (seconds)")
+    p.add_argument("-o", "--output", help="write the plan here instead of printing it")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("estimate", help="predict step time and memory of one configuration")
+    _workload_args(p)
+    p.add_argument("--dp", type=_positive, required=True)
+    p.add_argument("--tp", type=_positive, required=True)
+    p.add_argument("--pp", type=_positive, default=1)
+    p.add_argument("--fsdp", action="store_true", help="shard parameters and optimizer state over dp")
+    p.add_argument("--sp", action="store_true", help="sequence parallel activations over tp")
+    p.add_argument("--microbatches", type=_positive, default=1)
+    p.add_argument("--checkpointing", choices=["none", "selective", "full"], default="none")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b")
+    p.add_argument("--virtual-stages", type=_positive, default=1)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("show", help="terminal view of a plan.json")
+    p.add_argument("plan", help="path to a plan JSON")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("profiles", help="list shipped hardware profiles")
+    p.set_defaults(func=cmd_profiles)
+
+    p = sub.add_parser("calibrate", help="measure this machine into a profile JSON")
+    p.add_argument("-o", "--output", required=True, help="profile JSON to write")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("schema", help="print the plan JSON Schema")
+    p.set_defaults(func=cmd_schema)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], None] = args.func
+    try:
+        func(args)
+    except (UserError, ValueError, FileNotFoundError) as e:
+        # ValueError: the planner's ConfigError / PlanningError / profile and pydantic
+        # validation errors, whose messages name the field.
+        message = " ".join(str(e).split())
+        print(f"meshplan: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

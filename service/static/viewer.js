@@ -1,0 +1,280 @@
+// meshplan plan viewer: plain DOM, no build step, no network beyond this origin.
+// Every value from a plan is written with textContent (never innerHTML).
+"use strict";
+
+const GiB = 1024 ** 3;
+const RANK_COLOURS = ["#4c8bf5", "#f29d38", "#3fae6a", "#9b6ad6", "#e0567a", "#2aa3b8", "#a08a3c", "#6b7385"];
+const MAX_RANKS_DRAWN = 1024;
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") node.className = v;
+    else if (k === "style") Object.assign(node.style, v);
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined || c === false) continue;
+    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return node;
+}
+
+const fmtGiB = (b) => (b / GiB).toFixed(b < 10 * GiB ? 2 : 1) + " GiB";
+const fmtBytes = (b) => (b >= GiB / 10 ? fmtGiB(b) : (b / 1024 ** 2).toFixed(2) + " MiB");
+const fmtS = (s) => (s === null || s === undefined ? "—" : s >= 1 ? s.toFixed(3) + " s" : (s * 1e3).toFixed(2) + " ms");
+const meshText = (m) => Object.entries(m).map(([k, v]) => `${k}=${v}`).join(" × ");
+
+function section(title, ...body) {
+  return el("section", {}, el("h2", {}, title), ...body);
+}
+
+// ---- plan list --------------------------------------------------------------
+async function showList(main) {
+  const res = await fetch("/v1/plans?limit=200");
+  if (!res.ok) throw new Error(`GET /v1/plans: ${res.status}`);
+  const data = await res.json();
+  const rows = data.plans.map((p) => el("tr", {},
+    el("td", {}, el("a", { href: `/plans/${p.id}`, class: "mono" }, p.id)),
+    el("td", {}, p.model), el("td", { class: "num" }, p.devices), el("td", {}, p.profile),
+    el("td", { class: "mono" }, meshText(p.mesh)), el("td", { class: "num" }, fmtS(p.step_time_s)),
+    el("td", {}, new Date(p.created * 1000).toLocaleString())));
+  main.replaceChildren(section(`Plans (${data.total})`,
+    rows.length ? el("table", { id: "plan-list" },
+      el("thead", {}, el("tr", {}, ["id", "model", "devices", "profile", "mesh", "step time", "created"]
+        .map((h) => el("th", {}, h)))),
+      el("tbody", {}, rows))
+      : el("p", { class: "muted", id: "plan-list" },
+        "No plans yet: POST /v1/plans (see /docs) or run `meshplan plan`, or open a plan.json above.")));
+}
+
+// ---- mesh -------------------------------------------------------------------
+function coordsOf(rank, sizes) {
+  const c = [];
+  for (let i = sizes.length - 1; i >= 0; i--) { c[i] = rank % sizes[i]; rank = Math.floor(rank / sizes[i]); }
+  return c;
+}
+
+function groupsAlong(dim, sizes) {
+  // Ranks that differ only in `dim` form one process group of that mesh dim.
+  const total = sizes.reduce((a, b) => a * b, 1);
+  const seen = new Set(), groups = [];
+  const stride = sizes.slice(dim + 1).reduce((a, b) => a * b, 1);
+  for (let r = 0; r < total; r++) {
+    if (seen.has(r)) continue;
+    const base = r - coordsOf(r, sizes)[dim] * stride;
+    const g = [];
+    for (let i = 0; i < sizes[dim]; i++) { g.push(base + i * stride); seen.add(base + i * stride); }
+    groups.push(g);
+  }
+  return groups;
+}
+
+function meshSection(plan) {
+  const dims = plan.mesh.dims, sizes = dims.map((d) => d.size), total = plan.mesh.dims.reduce((a, d) => a * d.size, 1);
+  const cols = sizes[sizes.length - 1];
+  const grid = el("div", { class: "mesh", id: "mesh-grid", style: { gridTemplateColumns: `repeat(${cols}, auto)` } });
+  for (let r = 0; r < Math.min(total, MAX_RANKS_DRAWN); r++) {
+    const c = coordsOf(r, sizes);
+    // Colour by the outermost dim's coordinate so its groups read as blocks.
+    grid.append(el("div", { class: "rank", style: { background: RANK_COLOURS[c[0] % RANK_COLOURS.length] },
+      title: dims.map((d, i) => `${d.name}=${c[i]}`).join(", ") },
+    `rank ${r}`, el("span", { class: "coord" }, dims.map((d, i) => `${d.name}${c[i]}`).join("·"))));
+  }
+  const groups = el("ul", { class: "groups" }, dims.map((d, i) => {
+    const gs = groupsAlong(i, sizes);
+    const mode = dpMode(plan, d.name);
+    const shown = gs.slice(0, 6).map((g) => `{${g.join(",")}}`).join(" ");
+    return el("li", {}, el("b", {}, `${d.name} (${d.size}${mode ? ", " + mode : ""})`),
+      `: ${gs.length} group${gs.length > 1 ? "s" : ""} ${shown}${gs.length > 6 ? " …" : ""}`);
+  }));
+  return section(`Device mesh: ${dims.map((d) => `${d.name}=${d.size}`).join(" × ")} (${plan.mesh.device_type}, ${total} devices)`,
+    el("p", { class: "muted" }, "Ranks row-major: the last dim holds adjacent ranks (kept inside a node)."),
+    grid, total > MAX_RANKS_DRAWN ? el("p", { class: "muted" }, `first ${MAX_RANKS_DRAWN} ranks drawn`) : null, groups);
+}
+
+// ---- placements -------------------------------------------------------------
+const dpMode = (plan, dim) => (plan.data_parallel.find((d) => d.dim === dim) || {}).mode;
+const isEmbedding = (fqn) => /(^|\.)(embed[a-z_]*|wte|wpe)\./.test(fqn);
+
+function placementKind(placement, fqn, shape, plan, dimName) {
+  // Names as torch's parallel styles use them: a Linear weight [out, in] sharded on
+  // dim 0 is column-wise, on dim 1 row-wise; an Embedding [vocab, hidden] the reverse.
+  // On a fully_shard data-parallel dim FSDP stores a shard whatever the logical placement.
+  if (dpMode(plan, dimName) === "fully_shard") return ["fully sharded", "pl-fsdp", "fully sharded (FSDP)"];
+  if (placement === "R") return ["replicated", "pl-replicated", "replicated"];
+  const d = Number(placement.slice(2, -1));
+  if (shape && shape.length === 2 && d < 2) {
+    const colwise = (d === 0) !== isEmbedding(fqn);
+    return colwise ? ["column-sharded", "pl-column", `column-wise: dim ${d} split`]
+      : ["row-sharded", "pl-row", `row-wise: dim ${d} split`];
+  }
+  return [`sharded dim ${d}`, "pl-shard", `dim ${d} split`];
+}
+
+function localShape(plan, shape, placements) {
+  // Explicit shards first, then FSDP's dim-0 split of what is left on fully_shard dims.
+  if (!shape) return "?";
+  const s = shape.slice(), dims = plan.mesh.dims;
+  placements.forEach((p, i) => { if (p.startsWith("S(")) { const d = Number(p.slice(2, -1)); s[d] = Math.ceil(s[d] / dims[i].size); } });
+  placements.forEach((p, i) => { if (p === "R" && dpMode(plan, dims[i].name) === "fully_shard") s[0] = Math.ceil(s[0] / dims[i].size); });
+  return `[${s.join(", ")}]`;
+}
+
+function placementSection(plan) {
+  const dims = plan.mesh.dims;
+  const legend = el("div", { class: "legend" },
+    [["replicated", "pl-replicated"], ["column-sharded", "pl-column"], ["row-sharded", "pl-row"],
+      ["fully sharded", "pl-fsdp"], ["sharded (other dim)", "pl-shard"]].map(([t, c]) => el("span", { class: `pl ${c}` }, t)));
+  const rows = plan.parameters.map((p) => {
+    const shape = plan.fingerprint.params[p.fqn];
+    const count = plan.fingerprint.counts[p.fqn];
+    return el("tr", {},
+      el("td", { class: "mono" }, p.fqn),
+      el("td", { class: "mono" }, shape ? `[${shape.join(", ")}]` : "?"),
+      el("td", { class: "num" }, count ?? ""),
+      p.placements.map((pl, i) => {
+        const [label, cls, title] = placementKind(pl, p.fqn, shape, plan, dims[i].name);
+        return el("td", {}, el("span", { class: `pl ${cls}`, title: `${pl}: ${title}` }, `${label} `, el("code", {}, pl)));
+      }),
+      el("td", { class: "mono" }, localShape(plan, shape, p.placements)));
+  });
+  const table = el("table", { id: "placement-table" },
+    el("thead", {}, el("tr", {}, el("th", {}, "parameter"), el("th", {}, "shape"), el("th", { class: "num" }, "×"),
+      dims.map((d) => el("th", {}, `${d.name} (${d.size})`)), el("th", {}, "local shard"))),
+    el("tbody", {}, rows));
+  const out = [legend, el("div", { class: "scroll" }, table)];
+  if (plan.modules.length) {
+    out.push(el("h2", {}, "Activation layouts (sequence parallel)"), el("table", { id: "module-table" },
+      el("thead", {}, el("tr", {}, ["module", "input", "output"].map((h) => el("th", {}, h)))),
+      el("tbody", {}, plan.modules.map((m) => el("tr", {}, el("td", { class: "mono" }, m.module),
+        el("td", { class: "mono" }, m.input ? m.input.join(", ") : "—"),
+        el("td", { class: "mono" }, m.output ? m.output.join(", ") : "—"))))));
+  }
+  return section(`Parameter placements (${plan.parameters.length} entries; * = every repeated layer)`, ...out);
+}
+
+// ---- memory and time --------------------------------------------------------
+function stackedBar(parts, scale, capacity) {
+  const bar = el("div", { class: "bar" + (capacity !== undefined && parts.reduce((a, p) => a + p[1], 0) > capacity ? " over" : "") });
+  for (const [name, v] of parts) {
+    if (v > 0) bar.append(el("span", { class: `seg-${name}`, title: name, style: { width: `${(100 * v) / scale}%` } }));
+  }
+  if (capacity !== undefined) bar.append(el("span", { class: "capacity", title: "capacity", style: { left: `calc(${(100 * capacity) / scale}% - 1px)` } }));
+  return bar;
+}
+
+function legendRow(parts, fmt) {
+  return el("div", { class: "facts" }, parts.map(([name, v]) =>
+    el("span", {}, el("span", { class: `swatch seg-${name}` }), `${name.replace(/_/g, " ")}: `, el("b", {}, fmt(v)))));
+}
+
+function memorySection(plan) {
+  const m = plan.prediction.memory;
+  const parts = [["parameters", m.parameters], ["gradients", m.gradients], ["optimizer", m.optimizer], ["activations", m.activations]];
+  const scale = Math.max(m.total, m.capacity, 1);
+  return section("Memory per device (most loaded device)",
+    el("div", { id: "memory-bar" }, stackedBar(parts, scale, m.capacity)), legendRow(parts, fmtBytes),
+    el("p", { class: m.fits ? "muted" : "error" },
+      `total ${fmtBytes(m.total)} of ${fmtBytes(m.capacity)} capacity (${((100 * m.total) / Math.max(m.capacity, 1)).toFixed(1)}%)`,
+      m.fits ? "" : " — does not fit"));
+}
+
+function timeSection(plan) {
+  const t = plan.prediction.time, p = plan.prediction;
+  const parts = [["compute", t.compute_s], ["exposed_communication", t.exposed_communication_s], ["resharding", t.resharding_s],
+    ["pipeline_bubble", t.pipeline_bubble_s], ["optimizer_step", t.optimizer_s]];
+  return section("Predicted step time",
+    el("div", { class: "facts" }, el("span", {}, "step ", el("b", {}, fmtS(t.step_time_s))),
+      el("span", {}, "tokens/s/device ", el("b", {}, Math.round(p.tokens_per_s_per_device).toLocaleString())),
+      el("span", {}, "MFU ", el("b", {}, (100 * p.mfu).toFixed(1) + "%")),
+      el("span", {}, "all communication (overlapped or not) ", el("b", {}, fmtS(t.communication_s)))),
+    el("div", { id: "time-bar" }, stackedBar(parts, Math.max(parts.reduce((a, q) => a + q[1], 0), t.step_time_s, 1e-12))),
+    legendRow(parts, fmtS));
+}
+
+function alternativesSection(plan) {
+  const chosen = meshText(Object.fromEntries(plan.mesh.dims.map((d) => [d.name, d.size])));
+  const alts = plan.solver.alternatives;
+  if (!alts.length) return section("Alternatives considered", el("p", { class: "muted" }, "The search recorded no alternatives."));
+  return section(`Alternatives considered (${alts.length})`, el("table", { id: "alternatives" },
+    el("thead", {}, el("tr", {}, ["mesh", "step time", "peak memory", "fits", "note"].map((h) => el("th", {}, h)))),
+    // Several alternatives may share a mesh (replicate vs FSDP, ...): the chosen one also has the plan's step time.
+    el("tbody", {}, alts.map((a) => el("tr", { class: meshText(a.mesh) === chosen && a.step_time_s === plan.prediction.time.step_time_s ? "chosen" : "" },
+      el("td", { class: "mono" }, meshText(a.mesh)), el("td", { class: "num" }, fmtS(a.step_time_s)),
+      el("td", { class: "num" }, a.peak_memory_bytes === null ? "—" : fmtBytes(a.peak_memory_bytes)),
+      el("td", {}, a.fits ? "yes" : "no"), el("td", {}, a.note))))));
+}
+
+function solverSection(plan) {
+  const s = plan.solver;
+  const facts = [["solver", s.solver], ["status", s.status], ["variables", s.variables], ["constraints", s.constraints],
+    ["solve time", fmtS(s.solve_time_s)], ["total planning time", fmtS(s.total_time_s)],
+    ["objective", s.objective.toPrecision(6)], ["gap", s.gap === null ? "—" : s.gap]];
+  const unsupported = Object.entries(s.unsupported_ops);
+  return section("Solver", el("div", { class: "facts" }, facts.map(([k, v]) => el("span", {}, `${k} `, el("b", {}, v)))),
+    unsupported.length ? el("p", {}, "Ops with no sharding rule (replicated): ",
+      el("span", { class: "mono" }, unsupported.map(([op, n]) => `${op} ×${n}`).join(", "))) : null);
+}
+
+function pipelineSection(plan) {
+  const p = plan.pipeline;
+  if (!p) return null;
+  return section(`Pipeline: ${p.schedule}, ${p.stages.length} stages on ${p.dim}, ${p.virtual_stages} per rank`,
+    el("table", { id: "pipeline" }, el("tbody", {}, p.stages.map((s) => el("tr", {},
+      el("td", {}, `stage ${s.index}`), el("td", { class: "num" }, fmtS(s.predicted_time_s)),
+      el("td", { class: "mono" }, s.modules.length > 4 ? `${s.modules[0]} … ${s.modules[s.modules.length - 1]} (${s.modules.length})` : s.modules.join(", ")))))));
+}
+
+function rawSection(plan, name) {
+  const download = el("button", { id: "download", onclick: () => {
+    const url = URL.createObjectURL(new Blob([JSON.stringify(plan, null, 2)], { type: "application/json" }));
+    const a = el("a", { href: url, download: name });
+    document.body.append(a); a.click(); a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 1000);
+  } }, `Download ${name}`);
+  const tree = el("div", { id: "json-tree" }, new JSONFormatter(plan, 1, { hoverPreviewEnabled: true }).render());
+  return section("Raw plan", download, el("details", { open: "" }, el("summary", {}, "JSON tree (click to expand)"), tree));
+}
+
+function showPlan(main, plan, id) {
+  document.title = `meshplan: ${plan.model} on ${plan.devices}`;
+  main.replaceChildren(
+    el("section", {}, el("h1", {}, `${plan.model} on ${plan.devices} devices (${plan.profile})`),
+      el("div", { class: "facts" },
+        [["plan", id || "local file"], ["batch", `${plan.batch_size} seq × ${plan.seq_len}`], ["micro-batches", plan.microbatches],
+          ["checkpointing", plan.activation_checkpointing], ["schema", plan.schema_version], ["fingerprint", plan.fingerprint.digest]]
+          .map(([k, v]) => el("span", {}, `${k} `, el("b", {}, v))))),
+    meshSection(plan), placementSection(plan), memorySection(plan), timeSection(plan),
+    ...[pipelineSection(plan), alternativesSection(plan), solverSection(plan), rawSection(plan, `plan-${id || "local"}.json`)]
+      .filter(Boolean));
+}
+
+async function route() {
+  const main = document.getElementById("main");
+  const m = location.pathname.match(/^\/plans\/([0-9a-f]+)\/?$/);
+  try {
+    if (!m) return await showList(main);
+    const res = await fetch(`/v1/plans/${m[1]}`);
+    const body = await res.json();
+    if (!res.ok) throw new Error(body.detail || `GET /v1/plans/${m[1]}: ${res.status}`);
+    showPlan(main, body.plan, body.id);
+  } catch (e) {
+    main.replaceChildren(el("p", { class: "error", id: "error" }, String(e.message || e)));
+  }
+}
+
+document.getElementById("open-file").addEventListener("change", async (ev) => {
+  const main = document.getElementById("main");
+  const file = ev.target.files[0];
+  if (!file) return;
+  try {
+    const data = JSON.parse(await file.text());
+    showPlan(main, data.plan || data, data.id);
+  } catch (e) {
+    main.replaceChildren(el("p", { class: "error", id: "error" }, `${file.name}: ${e.message}`));
+  }
+});
+
+route();

@@ -1,0 +1,149 @@
+"""The ``meshplan`` command line: real planner calls on tiny presets, user mistakes
+as one line on stderr with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.schema import Plan, plan_json_schema
+from service.cli import main, parse_mesh
+
+PROFILE = "h100-sxm-80g"
+TINY = ["llama-tiny", "--devices", "2", "--profile", PROFILE, "--batch-size", "4", "--seq-len", "32"]
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "plan.json"
+    assert main(["plan", *TINY, "-o", str(path)]) == 0
+    return path
+
+
+def test_plan_writes_a_valid_plan(plan_file: Path) -> None:
+    plan = Plan.from_json(plan_file.read_text())
+    assert (plan.model, plan.devices, plan.batch_size, plan.seq_len) == ("llama-tiny", 2, 4, 32)
+
+
+def test_plan_without_output_prints_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", *TINY, "--mesh", "dp=1,tp=2"]) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    assert plan.mesh.shape == (1, 2) and plan.mesh.names == ("dp", "tp")
+
+
+def test_show_renders_the_essentials(plan_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = Plan.from_json(plan_file.read_text())
+    assert main(["show", str(plan_file)]) == 0
+    out = capsys.readouterr().out
+    mesh_line = next(line for line in out.splitlines() if line.startswith("mesh: "))
+    for d in plan.mesh.dims:
+        assert f"{d.name}={d.size}" in mesh_line
+    for p in plan.parameters:
+        row = next(line for line in out.splitlines() if line.startswith(p.fqn + " ")).split()
+        assert [t for t in row if re.fullmatch(r"R|S\(\d+\)", t)] == p.placements, row
+    assert f"{plan.prediction.memory.total / 2**30:.2f} GiB" in out
+    assert "step time" in out and plan.solver.solver in out
+    for alt in plan.solver.alternatives:
+        assert " x ".join(f"{k}={v}" for k, v in alt.mesh.items()) in out
+
+
+def test_show_accepts_a_saved_service_response(plan_file: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    saved = tmp_path / "response.json"
+    saved.write_text(json.dumps({"id": "x", "plan": json.loads(plan_file.read_text())}))
+    assert main(["show", str(saved)]) == 0
+    assert "mesh: " in capsys.readouterr().out
+
+
+def test_estimate_json_has_the_promised_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", *TINY, "--dp", "2", "--tp", "1", "--fsdp", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("step_time_s", "tokens_per_s_per_device", "mfu", "peak_memory_bytes_per_device", "fits"):
+        assert key in out
+    assert out["step_time_s"] == out["breakdown"]["time"]["step_time_s"] > 0
+    assert out["peak_memory_bytes_per_device"] == out["breakdown"]["memory"]["total"] > 0
+
+
+def test_estimate_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", *TINY, "--dp", "1", "--tp", "2", "--sp"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("step time ") and "activations" in out and "exposed" in out
+
+
+def test_schema_prints_the_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schema"]) == 0
+    assert json.loads(capsys.readouterr().out) == plan_json_schema()
+
+
+def test_profiles_lists_the_shipped_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    from cost_model.profile import shipped_profiles
+
+    assert main(["profiles"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert names == shipped_profiles()
+
+
+def test_parse_mesh() -> None:
+    assert parse_mesh("dp=8,tp=8") == {"dp": 8, "tp": 8}
+    for bad in ("dp8", "dp=0", "dp=x", "dp=2,dp=2", "=2"):
+        with pytest.raises(Exception, match="NAME=SIZE|twice"):
+            parse_mesh(bad)
+
+
+@pytest.fixture()
+def bad_files(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    (tmp_path / "notjson.json").write_text("{nope")
+    (tmp_path / "notaplan.json").write_text(json.dumps({"model": "x"}))
+    return {name.removesuffix(".json"): str(tmp_path / name)
+            for name in ("bert.json", "notjson.json", "notaplan.json")} | {
+        "missing": str(tmp_path / "missing.json"), "nodir": str(tmp_path / "no" / "such" / "p.json")}
+
+
+@pytest.mark.parametrize(("argv", "names"), [
+    (["plan", "no-such-model", "--devices", "2", "--profile", PROFILE], "model: 'no-such-model'"),
+    (["plan", "{bert}", "--devices", "2", "--profile", PROFILE], "model_type: 'bert'"),
+    (["plan", *TINY[:3], "--profile", "nope"], "nope"),
+    (["plan", *TINY, "--mesh", "dp=3"], "mesh"),
+    (["plan", *TINY, "-o", "{nodir}"], "-o: directory"),
+    (["estimate", *TINY, "--dp", "3", "--tp", "1"], "dp"),
+    (["show", "{missing}"], "plan: cannot read"),
+    (["show", "{notjson}"], "is not JSON"),
+    (["show", "{notaplan}"], "Field required"),
+    (["calibrate", "-o", "{nodir}"], "-o: directory"),
+])
+def test_user_mistakes_are_one_line_and_exit_2(argv: list[str], names: str, bad_files: dict[str, str],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [a.format(**bad_files) if a.startswith("{") else a for a in argv]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    # Progress lines may come first; the error is the last line, and the only one.
+    errors = [line for line in captured.err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0] == captured.err.strip().splitlines()[-1], captured.err
+    assert errors[0].startswith("meshplan: error: ") and names in errors[0], captured.err
+    assert "Traceback" not in captured.err and not captured.out
+
+
+def test_argument_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["plan", "llama-tiny", "--profile", PROFILE], ["plan", *TINY, "--mesh", "dp=x"],
+                 ["estimate", *TINY, "--dp", "2", "--tp", "1", "--checkpointing", "some"], ["bogus"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert "error:" in capsys.readouterr().err
+
+
+def test_console_script_reports_errors_without_traceback(tmp_path: Path) -> None:
+    """The installed entry point, as a user runs it."""
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    exe = Path(sys.executable).with_name("meshplan")
+    run = subprocess.run([str(exe), "show", str(bad)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.startswith("meshplan: error: ") and len(run.stderr.strip().splitlines()) == 1
+    assert subprocess.run([str(exe), "--help"], capture_output=True, timeout=60).returncode == 0

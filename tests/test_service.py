@@ -1,0 +1,212 @@
+"""The planner service over HTTP: a real ``meshplan serve`` (uvicorn, planner worker
+processes, SQLite on disk) on a free loopback port, with real plans of tiny presets."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from planner.schema import Plan
+from service.models import MAX_TIME_LIMIT_S, PlanRequest
+from service.process import ServerProcess
+from service.worker import PlannerPool, PlanningInputError, PlanningTimeout
+
+PROFILE = "h100-sxm-80g"
+TINY = {"model": "llama-tiny", "devices": 2, "profile": PROFILE, "batch_size": 4, "seq_len": 32}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    db = tmp_path_factory.mktemp("service") / "plans.db"
+    # One worker: it stays warm (torch.export's first trace costs seconds), and one
+    # busy worker is enough to show that reads are not blocked by solves.
+    with ServerProcess(db, workers=1) as s:
+        yield s
+
+
+def test_plan_is_created_stored_listed_and_cached(server: ServerProcess) -> None:
+    status, body = server.post("/v1/plans", TINY)
+    assert status == 201, body
+    assert body["cached"] is False
+    plan = Plan.model_validate(body["plan"])
+    assert (plan.model, plan.devices, plan.batch_size, plan.seq_len) == ("llama-tiny", 2, 4, 32)
+    assert server.get(f"/v1/plans/{body['id']}")["plan"] == body["plan"]
+
+    # The same request with its keys in another order is the same request.
+    status, again = server.post("/v1/plans", dict(reversed(list(TINY.items()))))
+    assert status == 200, again
+    assert again["cached"] is True
+    assert (again["id"], again["plan"]) == (body["id"], body["plan"])
+
+    listed = {p["id"]: p for p in server.get("/v1/plans")["plans"]}
+    row = listed[body["id"]]
+    assert row["step_time_s"] == plan.prediction.time.step_time_s
+    assert row["mesh"] == {d.name: d.size for d in plan.mesh.dims}
+    assert (row["model"], row["devices"], row["profile"]) == ("llama-tiny", 2, plan.profile)
+
+
+def test_spelled_out_defaults_are_the_same_request() -> None:
+    implicit = PlanRequest(model="llama-tiny", devices=2, profile=PROFILE).with_defaults()
+    # One sequence per device; the model's max positions (128) capped at 4096.
+    assert (implicit.batch_size, implicit.seq_len) == (2, 128)
+    explicit = PlanRequest.model_validate_json(
+        '{"seq_len": 128, "profile": "h100-sxm-80g", "batch_size": 2, "devices": 2, "model": "llama-tiny"}')
+    assert explicit.with_defaults().key() == implicit.key()
+    assert PlanRequest(model="llama-tiny", devices=4, profile=PROFILE).with_defaults().key() != implicit.key()
+
+
+def test_hf_config_inline_and_inline_profile(server: ServerProcess) -> None:
+    from cost_model.profile import load_profile
+    from planner.presets import PRESETS
+
+    profile = load_profile(PROFILE).model_dump(mode="json")
+    status, body = server.post("/v1/plans", {**TINY, "model": {"hf_config": PRESETS["llama-tiny"]},
+                                             "profile": profile})
+    assert status == 201, body
+    assert Plan.model_validate(body["plan"]).devices == 2
+
+
+def test_identical_concurrent_requests_solve_once(server: ServerProcess) -> None:
+    request = {**TINY, "batch_size": 8}
+    before = server.get("/healthz")["solves"]
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda _: server.post("/v1/plans", request), range(6)))
+    assert all(status in (200, 201) for status, _ in results), results
+    assert len({body["id"] for _, body in results}) == 1
+    assert server.get("/healthz")["solves"] - before == 1
+
+
+def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
+    """GETs go through while a worker is busy with an uncached solve."""
+    request = {"model": "llama3-8b", "devices": 8, "profile": PROFILE, "batch_size": 8, "seq_len": 2048}
+    result: list[tuple[int, object]] = []
+    solving = threading.Thread(target=lambda: result.append(server.post("/v1/plans", request)))
+    solving.start()
+    saw_busy = False
+    while solving.is_alive():
+        health = server.get("/healthz", timeout=5)
+        saw_busy |= health["busy_workers"] > 0 and solving.is_alive()
+        server.get("/v1/plans?limit=5", timeout=5)
+    solving.join()
+    assert result[0][0] == 201, result
+    assert saw_busy
+
+
+@pytest.mark.parametrize(("body", "status", "names"), [
+    ({**TINY, "model": "no-such-model"}, 422, "model: 'no-such-model' is not a preset"),
+    ({**TINY, "model": "/etc/passwd"}, 422, "file paths are not accepted"),
+    ({**TINY, "model": {"hf_config": {"model_type": "bert", "hidden_size": 8}}}, 422, "model_type: 'bert'"),
+    ({**TINY, "model": {"hf_config": {"model_type": "llama", "hidden_size": 10**7, "num_hidden_layers": 2,
+                                      "num_attention_heads": 4, "vocab_size": 64}}}, 422, "hidden_size"),
+    ({**TINY, "model": {"hf_config": {"model_type": "llama", "auto_map": {"AutoModel": "x.Y"}}}}, 422,
+     "model.hf_config: keys ['auto_map']"),
+    ({**TINY, "devices": 0}, 422, "devices: Input should be greater than or equal to 1"),
+    ({**TINY, "profile": "nope"}, 422, "profile: 'nope' is not a shipped profile"),
+    ({**TINY, "profile": {"name": "half-a-profile"}}, 422, "device_type"),
+    ({**TINY, "mesh": {"dp": 3}}, 422, "mesh"),
+    ({**TINY, "mesh": {"DP": 2}}, 422, "mesh.DP"),
+    ({**TINY, "time_limit_s": MAX_TIME_LIMIT_S + 1}, 422, "time_limit_s"),
+    ({**TINY, "bogus": 1}, 422, "bogus: Extra inputs are not permitted"),
+    ({key: v for key, v in TINY.items() if key != "devices"}, 422, "devices: Field required"),
+    ({"model": "llama3-70b", "devices": 1, "profile": PROFILE, "batch_size": 1, "seq_len": 128}, 422, "devices: no layout"),
+    (b"{not json", 422, "body: invalid JSON"),
+])
+def test_bad_input_is_a_4xx_naming_the_field(server: ServerProcess, body: object, status: int,
+                                             names: str) -> None:
+    got, answer = server.post("/v1/plans", body)
+    assert got == status, answer
+    assert names in answer["detail"], answer["detail"]
+
+
+def _raw_post(server: ServerProcess, head: str, body: bytes = b"") -> str:
+    """Status line of a hand-made request (urllib cannot send a lying Content-Length)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(f"POST /v1/plans HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{head}\r\n".encode()
+                     + body)
+        return sock.makefile("rb").readline().decode()
+
+
+def test_oversized_bodies_are_413(server: ServerProcess) -> None:
+    # Refused on the declared length, before any of the body is read ...
+    assert " 413 " in _raw_post(server, f"Content-Length: {(1 << 20) + 1}\r\n")
+    # ... and, without a length (chunked), once the bytes read pass the limit.
+    chunk = b'{"model": "' + b"x" * (1 << 20) + b'"}'
+    body = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n0\r\n\r\n"
+    assert " 413 " in _raw_post(server, "Transfer-Encoding: chunked\r\n", body)
+
+
+def test_unknown_ids_and_profiles_are_404(server: ServerProcess) -> None:
+    status, body = server.request("GET", "/v1/plans/" + "0" * 20)
+    assert status == 404 and "plan_id" in body["detail"]
+    status, body = server.request("GET", "/v1/profiles/nope")
+    assert status == 404 and "nope" in body["detail"]
+    assert PROFILE in server.get("/v1/profiles")["profiles"]
+    assert server.get(f"/v1/profiles/{PROFILE}")["name"] == PROFILE
+
+
+def _schemathesis() -> str:
+    exe = shutil.which("schemathesis") or str(Path(sys.executable).with_name("schemathesis"))
+    assert Path(exe).exists(), "schemathesis is not installed: pip install -e '.[test]'"
+    return exe
+
+
+@pytest.mark.parametrize("selection", [
+    ["--exclude-method", "POST", "--phases", "coverage,fuzzing", "-n", "15"],
+    # POST with schema-violating bodies only: valid bodies would start real solves
+    # of random presets on up to a million devices; those are covered above.
+    ["--include-method", "POST", "-m", "negative", "--phases", "coverage,fuzzing", "-n", "30"],
+])
+def test_openapi_fuzz_gives_no_server_errors(server: ServerProcess, selection: list[str],
+                                             tmp_path: Path) -> None:
+    run = subprocess.run(
+        [_schemathesis(), "run", f"{server.url}/openapi.json", "--checks", "not_a_server_error",
+         "--generation-database", "none", "--seed", "7", "--no-shrink", "--no-color",
+         "--request-timeout", "30", *selection],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)  # it writes a cache dir in cwd
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def test_overrunning_solve_is_killed_and_its_worker_replaced() -> None:
+    """The hard wall-clock limit: the job is abandoned, the worker process replaced,
+    and the replacement serves the next job."""
+    job = {"model": "llama-tiny", "devices": 2, "profile": PROFILE, "batch_size": 4, "seq_len": 32,
+           "mesh": None, "time_limit_s": 30.0}
+
+    async def scenario() -> None:
+        pool = PlannerPool(1)
+        pool.start()
+        try:
+            first = pool.pids
+            with pytest.raises(PlanningTimeout, match="time_limit_s"):
+                await pool.plan("t1", job, hard_limit_s=0.05)
+            assert pool.pids != first
+            assert pool.busy == 0
+            # The replacement answers (a quick job: the answer is an input error).
+            with pytest.raises(PlanningInputError, match="profile"):
+                await pool.plan("t2", {**job, "profile": "nope"}, hard_limit_s=300)
+        finally:
+            pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_plans_survive_kill_9(server: ServerProcess) -> None:
+    """A plan is committed before it is returned: kill -9 right after the answer loses
+    nothing.  (The module's server is restarted in place for any later test.)"""
+    listed = {p["id"] for p in server.get("/v1/plans?limit=1000")["plans"]}
+    status, body = server.post("/v1/plans", {**TINY, "batch_size": 6})
+    assert status == 201, body
+    server.kill()
+    server.start()
+    for plan_id in listed:
+        server.get(f"/v1/plans/{plan_id}")
+    assert server.get(f"/v1/plans/{body['id']}")["plan"] == body["plan"]
+    assert server.get("/v1/plans")["total"] == len(listed) + 1

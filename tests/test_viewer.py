@@ -1,0 +1,143 @@
+"""The browser plan viewer, rendered by headless Chromium against a real server."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+import urllib.request
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from planner.schema import Plan
+from service.app import STATIC_DIR
+from service.process import ServerProcess
+
+PROFILE = "h100-sxm-80g"
+
+
+def _chromium() -> str:
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert exe, "headless Chromium is required for the viewer tests: apt-get install -y chromium"
+    return exe
+
+
+def render(url: str) -> str:
+    """The DOM after the page's scripts ran (virtual time lets its fetches finish)."""
+    with tempfile.TemporaryDirectory() as profile_dir:
+        run = subprocess.run(
+            [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile_dir}", "--virtual-time-budget=10000", "--dump-dom", url],
+            capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
+class Elements(HTMLParser):
+    """Each element's tag, attributes and the ids of its ancestors."""
+
+    VOID = {"input", "br", "img", "meta", "link", "hr"}
+
+    def __init__(self, html: str) -> None:
+        super().__init__()
+        self.found: list[tuple[str, dict[str, str], tuple[str, ...]]] = []
+        self._stack: list[tuple[str, str]] = []
+        self.text: list[str] = []
+        self.feed(html)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        self.found.append((tag, a, tuple(i for _, i in self._stack if i)))
+        if tag not in self.VOID:
+            self._stack.append((tag, a.get("id", "")))
+
+    def handle_endtag(self, tag: str) -> None:
+        while self._stack:
+            if self._stack.pop()[0] == tag:
+                break
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+    def within(self, ancestor_id: str, tag: str | None = None, cls: str | None = None) -> list[dict[str, str]]:
+        return [a for t, a, anc in self.found if ancestor_id in anc and (tag is None or t == tag)
+                and (cls is None or cls in a.get("class", "").split())]
+
+
+@pytest.fixture(scope="module")
+def served_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[ServerProcess, str, Plan]:
+    db = tmp_path_factory.mktemp("viewer") / "plans.db"
+    with ServerProcess(db, workers=1) as server:
+        status, body = server.post("/v1/plans", {"model": "llama-tiny", "devices": 4, "profile": PROFILE,
+                                                 "batch_size": 8, "seq_len": 32, "mesh": {"dp": 2, "tp": 2}})
+        assert status == 201, body
+        yield server, body["id"], Plan.model_validate(body["plan"])
+
+
+def test_plan_page_shows_mesh_placements_memory_and_json_tree(served_plan: tuple[ServerProcess, str, Plan]) -> None:
+    server, plan_id, plan = served_plan
+    page = Elements(render(f"{server.url}/plans/{plan_id}"))
+    assert not page.within("main", cls="error"), " ".join(page.text)
+
+    ranks = page.within("mesh-grid", cls="rank")
+    assert len(ranks) == plan.devices
+    assert ranks[3]["title"] == "dp=1, tp=1"  # row-major: rank 3 is the last of a 2x2 mesh
+
+    rows = page.within("placement-table", tag="tr")
+    assert len(rows) == len(plan.parameters) + 1  # + header
+    cells = page.within("placement-table", cls="pl")
+    assert len(cells) == len(plan.parameters) * len(plan.mesh.dims)
+    # Every cell names its placement in the tooltip; the colour matches it: FSDP on
+    # fully_shard dims, otherwise replicated exactly for R.
+    fsdp_dims = {i for i, d in enumerate(plan.mesh.dims) if plan.dp_mode(d.name) == "fully_shard"}
+    for i, cell in enumerate(cells):
+        placement = cell["title"].split(":")[0]
+        assert re.fullmatch(r"R|S\(\d+\)", placement), cell
+        kind = cell["class"].split()[1]
+        if i % len(plan.mesh.dims) in fsdp_dims:
+            assert kind == "pl-fsdp", cell
+        else:
+            assert (kind == "pl-replicated") == (placement == "R"), cell
+
+    assert page.within("memory-bar", cls="seg-parameters") and page.within("time-bar", cls="seg-compute")
+    assert len(page.within("json-tree", cls="json-formatter-row")) > 5
+    assert page.within("main", tag="button")[0]["id"] == "download"
+    if plan.solver.alternatives:
+        assert len(page.within("alternatives", tag="tr")) == len(plan.solver.alternatives) + 1
+
+
+def test_index_lists_plans_with_links(served_plan: tuple[ServerProcess, str, Plan]) -> None:
+    server, plan_id, _ = served_plan
+    page = Elements(render(f"{server.url}/"))
+    links = [a["href"] for a in page.within("plan-list", tag="a")]
+    assert f"/plans/{plan_id}" in links
+
+
+def test_unknown_plan_shows_an_error(served_plan: tuple[ServerProcess, str, Plan]) -> None:
+    server, _, _ = served_plan
+    page = Elements(render(f"{server.url}/plans/{'0' * 20}"))
+    assert page.within("main", cls="error")
+    assert "no plan" in " ".join(page.text)
+
+
+def test_viewer_loads_nothing_from_the_network(served_plan: tuple[ServerProcess, str, Plan]) -> None:
+    server, _, _ = served_plan
+    with urllib.request.urlopen(f"{server.url}/") as resp:
+        assert "default-src 'self'" in resp.headers["Content-Security-Policy"]
+    for path in STATIC_DIR.rglob("*"):
+        if path.suffix in (".html", ".js", ".css"):
+            assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:)?//", path.read_text()), path
+    vendor = STATIC_DIR / "vendor"
+    assert (vendor / "json-formatter.umd.js").is_file()
+    assert "MIT License" in (vendor / "json-formatter-js.LICENSE").read_text()
+
+
+def test_static_files_are_package_data() -> None:
+    """pyproject ships service/static/* and service/static/vendor/*: nothing deeper."""
+    deeper = [p for p in STATIC_DIR.rglob("*") if p.is_file() and len(p.relative_to(STATIC_DIR).parts) > 2]
+    assert not deeper, deeper
+    assert Path(STATIC_DIR / "index.html").is_file()
