@@ -68,16 +68,18 @@ def _first_nodes(graph: nx.DiGraph) -> set[str]:
 def stage_modules(graph: nx.DiGraph, stages: list[Stage]) -> list[list[str]]:
     """Module FQNs each stage runs, in order: embeddings, layers, head."""
     first = _first_nodes(graph)
+    prefix = graph.graph["layer_prefix"]
     before: list[str] = []
     after: list[str] = []
     for n, d in graph.nodes(data=True):
         mod = d.get("module")
         if d.get("layer") is not None or d["kind"] != "call_function" or not mod:
             continue
+        if prefix.startswith(mod + "."):  # a container of the layers (the model itself)
+            continue
         target = before if n in first else after
         if mod not in target:
             target.append(mod)
-    prefix = graph.graph["layer_prefix"]
     out = []
     for st in stages:
         mods = [f"{prefix}.{i}" for i in range(*st.layers)]

@@ -160,15 +160,15 @@ def _saved_bytes(ctx: Context, nodes: Sequence[tuple[dict, float]], layers: int)
 
     A tensor is kept when a consumer's backward needs it (``saved``, set by the
     tracer from autograd's rules); views alias their input.  Under full
-    checkpointing a layer keeps only its input (``ckpt_mult``: how many real layers
-    the traced tensor feeds) and one layer's activations exist at a time, during
-    its recomputation.
+    checkpointing a layer keeps only its input (``ckpt_numel``, recorded on the
+    layer's node that first consumes it) and one layer's activations exist at a
+    time, during its recomputation.
     """
     total = 0.0
     per_seq = ctx.microbatch * ctx.act_itemsize
     for d, mult in nodes:
         if ctx.checkpointing == "full":
-            total += d.get("ckpt_mult", 0) * d["out_numel"] * per_seq
+            total += mult * d.get("ckpt_numel", 0) * per_seq
             if d["layer"] is not None:
                 mult = mult / layers
         if d["short"] in VIEW_OPS or not d.get("saved"):

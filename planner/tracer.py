@@ -274,12 +274,16 @@ def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_s
         param_shapes={n: tuple(p.shape) for n, p in full.named_parameters()},
         dtype=str(next(full.parameters()).dtype),
     )
-    # Under full activation checkpointing a layer keeps only its input: mark the
-    # tensors that enter a layer with how many real layers they stand for.
+    # Under full activation checkpointing a layer keeps only its input: record its
+    # size on the layer's first consumer of it, so it counts once per real layer.
+    seen: set[tuple[str, int]] = set()
     for u, v in graph.edges:
         lv = graph.nodes[v].get("layer")
-        if lv is not None and graph.nodes[u].get("layer") != lv and graph.nodes[u]["kind"] == "call_function":
-            graph.nodes[u]["ckpt_mult"] = max(graph.nodes[u].get("ckpt_mult", 0), layer_weight(graph, v))
+        du = graph.nodes[u]
+        if lv is None or du.get("layer") == lv or du["kind"] != "call_function" or (u, lv) in seen:
+            continue
+        seen.add((u, lv))
+        graph.nodes[v]["ckpt_numel"] = graph.nodes[v].get("ckpt_numel", 0) + du["out_numel"]
     return graph
 
 

@@ -143,3 +143,44 @@ def test_bad_requests():
         planner.plan("llama-tiny", 2, "tpu-v9")
     with pytest.raises(planner.PlanningError, match="^constraints.0"):
         planner.plan("llama-tiny", 2, "h100-sxm-80g", constraints=[{"oops": 1}])
+
+
+@pytest.fixture(scope="module")
+def pp_plan():
+    # 64 sequences on 512 GPUs: too few to feed dp x tp alone, so stages pay off.
+    return planner.plan("llama3-405b", 512, "h100-sxm-80g", batch_size=64, seq_len=4096)
+
+
+def test_large_model_on_many_nodes_is_pipelined(pp_plan):
+    plan = pp_plan
+    assert plan.pipeline is not None and plan.mesh.names[0] == "pp" and len(plan.mesh.dims) == 3
+    no_pp = [a for a in plan.solver.alternatives if "pp" not in a.mesh and a.step_time_s is not None]
+    assert all(plan.prediction.time.step_time_s < a.step_time_s for a in no_pp)
+    stages = plan.pipeline.stages
+    assert len(stages) == plan.mesh.size_of("pp")
+    layers = [m for st in stages for m in st.modules if m.startswith("model.layers.")]
+    assert layers == [f"model.layers.{i}" for i in range(126)]  # every layer once, in order
+    assert stages[0].modules[0] == "model.embed_tokens" and stages[-1].modules[-1] == "lm_head"
+    assert plan.microbatches >= len(stages)
+    assert all(p.placements[0] == "R" for p in plan.parameters)  # stages split layers, not tensors
+
+
+def test_estimate_with_pp_agrees_with_the_planner(pp_plan):
+    plan = pp_plan
+    dims = {d.name: d.size for d in plan.mesh.dims}
+    est = planner.estimate(
+        "llama3-405b", 512, "h100-sxm-80g", pp=dims["pp"], dp=dims["dp"], tp=dims["tp"],
+        fsdp=plan.data_parallel[0].mode == "fully_shard", sp=True,
+        microbatches=plan.microbatches, checkpointing=plan.activation_checkpointing,
+        schedule=plan.pipeline.schedule, virtual_stages=plan.pipeline.virtual_stages,
+        batch_size=64, seq_len=4096)
+    # Same layout, same cost function: the hand (Megatron) placements can only be as fast.
+    assert plan.prediction.time.step_time_s <= est.time.step_time_s <= 1.25 * plan.prediction.time.step_time_s
+    assert est.time.pipeline_bubble_s > 0
+
+
+def test_small_model_on_many_nodes_is_not_pipelined():
+    plan = planner.plan("gpt2", 64, "h100-sxm-80g", batch_size=256, seq_len=1024)
+    assert plan.pipeline is None and "pp" not in plan.mesh.names
+    piped = [a for a in plan.solver.alternatives if "pp" in a.mesh and a.step_time_s is not None]
+    assert piped and all(plan.prediction.time.step_time_s <= a.step_time_s for a in piped)
