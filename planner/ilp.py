@@ -126,7 +126,7 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
         if not u.choices:
             raise InfeasibleError(f"no valid placement for {u.kind} {u.key} ({u.module or 'model'})")
     prob = pulp.LpProblem("placement", pulp.LpMinimize)
-    x = {k: [pulp.LpVariable(f"x_{i}_{j}", cat="Binary") for j in range(len(u.choices))]
+    x = {k: [prob.add_variable(f"x_{i}_{j}", cat="Binary") for j in range(len(u.choices))]
          for i, (k, u) in enumerate(units.items())}
     objective = []
     for k, u in units.items():
@@ -140,7 +140,7 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
             for v, c in zip(x[cons], cu.choices):
                 lay = c.inp if cu.kind == "anchor" else c.out
                 if lay not in needed:
-                    needed[lay] = pulp.LpVariable(f"z_{ti}_{len(needed)}", cat="Binary")
+                    needed[lay] = prob.add_variable(f"z_{ti}_{len(needed)}", cat="Binary")
                 prob += v <= needed[lay]
         by_src: dict[tuple[str, ...], list] = defaultdict(list)
         for v, c in zip(x[t.producer], prod.choices):
@@ -153,7 +153,7 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
                 if math.isinf(cost):  # impossible pair: forbid it
                     prob += pulp.lpSum(vs) + z <= 1
                     continue
-                w = pulp.LpVariable(f"w_{ti}_{si}_{li}", lowBound=0)
+                w = prob.add_variable(f"w_{ti}_{si}_{li}", lowBound=0)
                 prob += w >= pulp.lpSum(vs) + z - 1
                 objective.append(cost * w)
     prob += pulp.lpSum(objective)
