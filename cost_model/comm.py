@@ -1,0 +1,311 @@
+"""Communication time: collectives along one mesh dim, and DTensor redistributions.
+
+Collectives use the nccl-tests bus-bandwidth model, costed hierarchically.
+
+Model: ``t = latency + S * f(n) / busbw`` per network level (nccl-tests
+definitions, measured rather than line-rate busbw).  ``S`` ("size" in
+nccl-tests) is, per rank:
+
+* all_reduce: the buffer being reduced (input = output size);
+* all_gather: the gathered *output* (n times the local input);
+* reduce_scatter: the *input* to be scattered (n times the local output);
+* all_to_all: the whole send buffer of one rank (= its receive buffer);
+* send_recv: the message one rank sends.
+
+A group that spans several levels is costed hierarchically, one phase per level,
+innermost first: the phase at level ``l`` runs among the ``k_l`` group members
+that differ only at that level, on ``S / g_{l-1}`` bytes, where ``g_{l-1}`` is
+the number of members inside one unit of the level below (the inner phases
+already reduced/split the data by that factor).  All-to-all does not shrink
+like that (each rank's traffic to remote peers is ``S*(n-g)/n`` whatever the
+inner phase did), and its intra- and inter-level transfers proceed in parallel,
+so its time is the slowest level's transfer plus the outermost latency.
+
+Redistribution (``redistribute_time`` forward, ``redistribute_cost`` both directions)
+-------------------------------------------------------------------------------------
+We replay the transition sequence DTensor itself runs (the greedy planner in
+``torch/distributed/tensor/_redistribute.py``, ``generate_greedy_transform_infos``)
+rather than inventing one, so a plan is charged for the collectives the
+executor will actually issue.  Each per-mesh-dim step is then costed with the
+collective it lowers to (``redistribute_local_tensor``):
+
+=========  =====================================  =================================
+step       collective                             ``nbytes`` passed (local = before)
+=========  =====================================  =================================
+P -> R     all_reduce                             local bytes
+P -> S(d)  reduce_scatter                         local bytes
+S(d) -> R  all_gather                             local bytes * n
+S(i)->S(j) all_to_all (CPU: all_gather + chunk)   local bytes (CPU: local bytes * n)
+R -> S(d)  local chunk + clone (memory traffic)   -
+R -> P     local divide (sum partial: v / n)      -
+S -> P     unsupported by DTensor                 ValueError
+=========  =====================================  =================================
+
+Backward: DTensor's ``Redistribute.backward`` redistributes the gradient, which
+arrives in the forward's *destination* placements, back to the *source*
+placements, except that a source ``P`` becomes ``R`` when the gradient is ``S``
+or ``R`` there (``_redistribute_backward``: keeping grads replicate is cheaper
+than partial).  ``redistribute_cost`` returns both directions.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cost_model.compute import op_time
+from cost_model.profile import COLLECTIVE_KINDS, NetworkLevel, Profile
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """nccl-tests busbw/algbw factor f(n) for ``n`` ranks."""
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"kind: unknown collective {kind!r}; expected one of {COLLECTIVE_KINDS}")
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind == "send_recv":
+        return 1.0
+    return (n - 1) / n
+
+
+def _members_per_unit(levels: Sequence[NetworkLevel], size: int, stride: int) -> list[int]:
+    """For each level, how many members of the group share one unit of that level.
+
+    Members are ranks ``base + k*stride``; a unit of ``D`` devices holds
+    ``D // stride`` of them when ``stride < D`` (capped at the group size).
+    """
+    out = []
+    for level in levels:
+        d = level.devices
+        out.append(size if d is None else max(1, min(size, d // stride)))
+    return out
+
+
+def _check_mesh(profile: Profile, mesh_shape: Sequence[int], dim: int) -> None:
+    if not mesh_shape or any(int(s) < 1 for s in mesh_shape):
+        raise ValueError(f"mesh_shape: every dim must be >= 1, got {list(mesh_shape)}")
+    if not 0 <= dim < len(mesh_shape):
+        raise ValueError(f"dim: {dim} is out of range for mesh_shape {list(mesh_shape)}")
+    cap = profile.max_devices
+    if cap is not None and math.prod(mesh_shape) > cap:
+        raise ValueError(
+            f"mesh_shape: {list(mesh_shape)} needs {math.prod(mesh_shape)} devices, "
+            f"profile {profile.name!r} describes at most {cap}"
+        )
+
+
+def collective_time(
+    profile: Profile, kind: str, nbytes: float, mesh_shape: Sequence[int], dim: int
+) -> float:
+    """Seconds for collective ``kind`` of ``nbytes`` (see module doc) over mesh dim ``dim``.
+
+    Ranks are laid out row-major over ``mesh_shape`` (the last dim holds adjacent
+    ranks), so mesh dim ``dim`` groups ranks at stride ``prod(mesh_shape[dim+1:])``.
+    """
+    _check_mesh(profile, mesh_shape, dim)
+    if kind not in COLLECTIVE_KINDS:  # checked before the trivial-group shortcut
+        raise ValueError(f"kind: unknown collective {kind!r}; expected one of {COLLECTIVE_KINDS}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes: must be >= 0, got {nbytes}")
+    n = int(mesh_shape[dim])
+    if n == 1 or nbytes == 0:
+        return 0.0
+    stride = math.prod(int(s) for s in mesh_shape[dim + 1 :])
+    per_unit = _members_per_unit(profile.levels, n, stride)
+
+    if kind == "all_to_all":
+        slowest, latency, inner = 0.0, 0.0, 1
+        for level, g in zip(profile.levels, per_unit, strict=True):
+            if g > inner:
+                remote = nbytes * (g - inner) / n  # bytes this rank sends over this level
+                slowest = max(slowest, remote / level.busbw.all_to_all)
+                latency = level.latency_s
+            inner = g
+            if g == n:
+                break
+        return latency + slowest
+
+    if kind == "send_recv":
+        # The slowest pair bounds a pipeline: the outermost level the group reaches.
+        level = next(lv for lv, g in zip(profile.levels, per_unit, strict=True) if g == n)
+        return level.latency_s + nbytes / level.busbw.send_recv
+
+    total, inner = 0.0, 1
+    for level, g in zip(profile.levels, per_unit, strict=True):
+        k = math.ceil(g / inner)  # members that differ only at this level (ceil: 6 = 4 + 2)
+        if k > 1:
+            bw = getattr(level.busbw, kind)
+            total += level.latency_s + (nbytes / inner) * bus_factor(kind, k) / bw
+        inner = g
+        if g == n:
+            break
+    return total
+
+
+# Same grammar as planner.schema.PLACEMENT_RE; not imported from there because the
+# planner imports this module and the cost model must not depend on the planner.
+_PLACEMENT = re.compile(r"^(R|P|S\((0|[1-9][0-9]*)\))$")
+
+
+@dataclass(frozen=True)
+class RedistributeCost:
+    """Seconds for a redistribution in the forward pass and for its gradient."""
+
+    forward_s: float
+    backward_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+@functools.cache
+def _shard_dim(p: str) -> int | None:
+    return int(p[2:-1]) if p.startswith("S(") else None
+
+
+def _check(
+    name: str, placements: Sequence[str], mesh_shape: Sequence[int], shape: Sequence[int]
+) -> None:
+    if len(placements) != len(mesh_shape):
+        raise ValueError(
+            f"{name}: {len(placements)} placements {list(placements)} for a "
+            f"{len(mesh_shape)}-D mesh {list(mesh_shape)}"
+        )
+    for p in placements:
+        if not _PLACEMENT.match(p):
+            raise ValueError(f"{name}: {p!r} is not a placement (R, P or S(d))")
+        d = _shard_dim(p)
+        if d is not None and d >= len(shape):
+            raise ValueError(f"{name}: {p} shards dim {d} of a {len(shape)}-D tensor {list(shape)}")
+
+
+def local_shape(
+    mesh_shape: Sequence[int], placements: Sequence[str], shape: Sequence[int]
+) -> list[int]:
+    """Shape of the largest local shard (ceil division: the most loaded rank sets the time)."""
+    out = [int(s) for s in shape]
+    for size, p in zip(mesh_shape, placements, strict=True):
+        d = _shard_dim(p)
+        if d is not None:
+            out[d] = math.ceil(out[d] / int(size))
+    return out
+
+
+def transitions(
+    mesh_shape: Sequence[int], src: Sequence[str], dst: Sequence[str]
+) -> list[tuple[int, str, str]]:
+    """(mesh dim, from, to) steps in the order DTensor's greedy planner issues them."""
+    return list(_transitions(tuple(int(n) for n in mesh_shape), tuple(src), tuple(dst)))
+
+
+@functools.cache  # the planner asks for the same few placement pairs thousands of times
+def _transitions(
+    mesh_shape: tuple[int, ...], src: tuple[str, ...], dst: tuple[str, ...]
+) -> tuple[tuple[int, str, str], ...]:
+    cur, dst = list(src), list(dst)
+    steps: list[tuple[int, str, str]] = []
+    ndim = len(cur)
+    sharded = (
+        math.prod(int(n) for n, p in zip(mesh_shape, src, strict=True) if _shard_dim(p) is not None)
+        > 1
+    )
+    if ndim > 1 and sharded:
+        # Inner to outer: undo nested shardings that are misaligned with the target.
+        for m in reversed(range(ndim)):
+            target = dst[m]
+            d = _shard_dim(target)
+            if d is not None:
+                before_cur = [i for i in range(m) if _shard_dim(cur[i]) == d]
+                before_dst = [i for i in range(m) if _shard_dim(dst[i]) == d]
+                if before_cur != before_dst:
+                    target = "R"
+            if cur[m] != target:
+                steps.append((m, cur[m], target))
+                cur[m] = target
+    for m in range(ndim):
+        if cur[m] != dst[m]:
+            steps.append((m, cur[m], dst[m]))
+            cur[m] = dst[m]
+    return tuple(steps)
+
+
+def step_collective(a: str, b: str, device_type: str = "cuda") -> str | None:
+    """The collective DTensor issues for one per-mesh-dim step ``a -> b`` (None: local only)."""
+    sa, sb = _shard_dim(a), _shard_dim(b)
+    if a == "P" and (b == "R" or sb is not None):
+        return "all_reduce" if b == "R" else "reduce_scatter"
+    if sa is not None and b == "R":
+        return "all_gather"
+    if sa is not None and sb is not None:  # gloo has no all_to_all for DTensor: gather + chunk
+        return "all_gather" if device_type == "cpu" else "all_to_all"
+    if a == "R" and (sb is not None or b == "P"):
+        return None
+    raise ValueError(f"redistribute: {a} -> {b} is not supported by DTensor")
+
+
+def _step_time(
+    profile: Profile, mesh_shape: Sequence[int], m: int, a: str, b: str, local_bytes: float
+) -> float:
+    n = int(mesh_shape[m])
+    if n == 1:  # DTensor skips size-1 dims before looking at the placements
+        return 0.0
+    kind = step_collective(a, b, profile.device_type)
+    if kind is None:  # R -> S(d): chunk + clone of 1/n; R -> P: divide the whole tensor
+        return op_time(profile, 0, 2 * local_bytes / (n if b != "P" else 1))
+    gathered = kind == "all_gather"
+    t = collective_time(profile, kind, local_bytes * n if gathered else local_bytes, mesh_shape, m)
+    if gathered and b != "R":  # the CPU all-to-all fallback then keeps one chunk
+        t += op_time(profile, 0, 2 * local_bytes)
+    return t
+
+
+def redistribute_time(
+    profile: Profile,
+    mesh_shape: Sequence[int],
+    src: Sequence[str],
+    dst: Sequence[str],
+    shape: Sequence[int],
+    itemsize: int,
+) -> float:
+    """Forward seconds to redistribute a tensor of global ``shape`` from ``src`` to ``dst``."""
+    _check("src", src, mesh_shape, shape)
+    _check("dst", dst, mesh_shape, shape)
+    cur, total = list(src), 0.0
+    for m, a, b in transitions(mesh_shape, src, dst):
+        local_bytes = math.prod(local_shape(mesh_shape, cur, shape)) * itemsize
+        total += _step_time(profile, mesh_shape, m, a, b, local_bytes)
+        cur[m] = b
+    return total
+
+
+def backward_placements(src: Sequence[str], dst: Sequence[str]) -> list[str]:
+    """Where DTensor sends the gradient of a redistribution from ``src`` to ``dst``."""
+    return ["R" if s == "P" and g != "P" else s for s, g in zip(src, dst, strict=True)]
+
+
+def redistribute_cost(
+    profile: Profile,
+    mesh_shape: Sequence[int],
+    src: Sequence[str],
+    dst: Sequence[str],
+    shape: Sequence[int],
+    itemsize: int,
+    grad_placements: Sequence[str] | None = None,
+) -> RedistributeCost:
+    """Forward and backward seconds of one redistribution.
+
+    ``grad_placements`` is how the gradient arrives; by default the forward's
+    ``dst`` (the usual case; pass the consumer's gradient placements when its
+    backward produces e.g. a Partial gradient for a Replicate input).
+    """
+    grad = list(dst if grad_placements is None else grad_placements)
+    _check("grad_placements", grad, mesh_shape, shape)
+    forward = redistribute_time(profile, mesh_shape, src, dst, shape, itemsize)
+    backward = redistribute_time(
+        profile, mesh_shape, grad, backward_placements(src, grad), shape, itemsize
+    )
+    return RedistributeCost(forward, backward)

@@ -1,0 +1,53 @@
+"""Time of one kernel on one device: a roofline with a size-dependent GEMM efficiency."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from cost_model.profile import Profile
+
+
+def gemm_efficiency(profile: Profile, flops: float) -> float:
+    """Achievable fraction of peak for a GEMM of ``flops``.
+
+    Interpolated linearly in log10(FLOPs) because measured GEMM throughput curves
+    are smooth on a log axis; clamped to the end points outside the measured range.
+    """
+    xs = [math.log10(p.flops) for p in profile.gemm_efficiency]
+    ys = [p.efficiency for p in profile.gemm_efficiency]
+    return float(np.interp(math.log10(max(flops, 1.0)), xs, ys))
+
+
+def peak_flops(profile: Profile, dtype: str) -> float:
+    """Dense peak FLOP/s for ``dtype``; a clear error when the profile lacks it."""
+    try:
+        return profile.peak_flops[dtype]
+    except KeyError:
+        raise ValueError(
+            f"dtype: profile {profile.name!r} has no peak_flops for {dtype!r}; "
+            f"it has {sorted(profile.peak_flops)}"
+        ) from None
+
+
+def op_time(profile: Profile, flops: float, bytes_accessed: float, dtype: str = "bf16") -> float:
+    """Seconds for one kernel: max(compute time, memory time), at least the kernel floor.
+
+    Free ops (views, metadata: no FLOPs and no bytes) cost 0 so that the planner
+    does not charge launch overhead for reshapes that never launch a kernel.
+    """
+    if flops < 0 or bytes_accessed < 0:
+        raise ValueError(f"op_time: flops={flops} and bytes_accessed={bytes_accessed} must be >= 0")
+    if flops == 0 and bytes_accessed == 0:
+        return 0.0
+    compute = (
+        flops / (gemm_efficiency(profile, flops) * peak_flops(profile, dtype)) if flops else 0.0
+    )
+    memory = bytes_accessed / (profile.memory_efficiency * profile.memory_bandwidth)
+    return max(compute, memory, profile.kernel_floor_s)
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    """FLOPs of an (m x k) @ (k x n) product: one multiply and one add per term."""
+    return 2 * m * n * k

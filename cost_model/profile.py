@@ -1,0 +1,146 @@
+"""Hardware profiles: the only place machine constants live.
+
+A profile is plain, validated data so that users can ship their own (a JSON file
+or an inline dict in an HTTP request) and get a pydantic error naming the exact
+field when a number is wrong, instead of a silently absurd plan.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+Fraction = Annotated[float, Field(gt=0, le=1)]
+
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CollectiveBandwidth(_Strict):
+    """Achieved nccl-tests *bus* bandwidth per collective kind, bytes/s per rank.
+
+    Bus bandwidth (not algorithm bandwidth) is used because it is independent of
+    the group size for ring algorithms, so one number per kind covers every
+    mesh-dim size (see cost_model.comm for the f(n) factors).
+    """
+
+    all_reduce: PositiveFloat = Field(description="all-reduce bus bandwidth, B/s")
+    all_gather: PositiveFloat = Field(description="all-gather bus bandwidth, B/s")
+    reduce_scatter: PositiveFloat = Field(description="reduce-scatter bus bandwidth, B/s")
+    all_to_all: PositiveFloat = Field(description="all-to-all bus bandwidth, B/s")
+    send_recv: PositiveFloat = Field(description="point-to-point bandwidth of one pair, B/s")
+
+
+class NetworkLevel(_Strict):
+    """One level of the network hierarchy (NVLink inside a node, InfiniBand across)."""
+
+    name: str = Field(min_length=1, description="label, e.g. nvlink, ib, loopback")
+    devices: int | None = Field(
+        ge=1,
+        description="devices reachable at this level (8 for an 8-GPU node); "
+        "null on the outermost level means any number",
+    )
+    busbw: CollectiveBandwidth = Field(description="achieved bus bandwidth per collective kind")
+    latency_s: float = Field(ge=0, description="fixed cost of one collective at this level, s")
+
+
+class GemmPoint(_Strict):
+    flops: PositiveFloat = Field(description="FLOPs of one GEMM (2*m*n*k)")
+    efficiency: Fraction = Field(description="achievable fraction of peak at that size")
+
+
+class Profile(_Strict):
+    """Per-device compute and memory plus the network, innermost level first."""
+
+    name: str = Field(min_length=1, description="profile name, e.g. h100-sxm-80g")
+    source: str = Field(default="", description="where the numbers come from")
+    device_type: Literal["cuda", "cpu"] = Field(description="torch device type")
+    peak_flops: dict[str, PositiveFloat] = Field(
+        min_length=1, description="dense peak FLOP/s per dtype name (bf16, fp16, fp32, tf32, ...)"
+    )
+    gemm_efficiency: list[GemmPoint] = Field(
+        min_length=1,
+        description="achievable fraction of peak by GEMM size; interpolated in log(FLOPs), "
+        "clamped at both ends",
+    )
+    memory_bytes: int = Field(gt=0, description="memory capacity per device, bytes")
+    memory_bandwidth: PositiveFloat = Field(description="peak memory bandwidth per device, B/s")
+    memory_efficiency: Fraction = Field(description="achievable fraction of memory_bandwidth")
+    kernel_floor_s: float = Field(ge=0, description="minimum time of any non-free kernel, s")
+    levels: list[NetworkLevel] = Field(min_length=1, description="network levels, innermost first")
+
+    @field_validator("gemm_efficiency")
+    @classmethod
+    def _sorted_points(cls, points: list[GemmPoint]) -> list[GemmPoint]:
+        sizes = [p.flops for p in points]
+        if sizes != sorted(set(sizes)):
+            raise ValueError("points must have strictly increasing flops")
+        return points
+
+    @model_validator(mode="after")
+    def _nested_levels(self) -> Profile:
+        # Hierarchical costing assumes each level groups whole units of the level inside it.
+        prev = 1
+        for i, level in enumerate(self.levels):
+            if level.devices is None:
+                if i != len(self.levels) - 1:
+                    raise ValueError(f"levels.{i}.devices: only the outermost level may be null")
+                continue
+            if (i > 0 and level.devices <= prev) or level.devices % prev:
+                raise ValueError(
+                    f"levels.{i}.devices: {level.devices} must be a larger multiple of the "
+                    f"level inside it ({prev})"
+                )
+            prev = level.devices
+        return self
+
+    @property
+    def max_devices(self) -> int | None:
+        """Largest cluster the profile describes (None = unbounded)."""
+        return self.levels[-1].devices
+
+
+def _shipped_dir() -> Path:
+    return Path(str(resources.files("profiles")))
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the profiles shipped in the ``profiles`` package."""
+    return sorted(p.stem for p in _shipped_dir().glob("*.json"))
+
+
+def load_profile(spec: str | Path | dict | Profile, allow_paths: bool = True) -> Profile:
+    """A profile from a shipped name, a JSON file path, an inline dict or a Profile.
+
+    Raises ValueError with the shipped names when a string is neither a shipped
+    name nor (with ``allow_paths``) an existing file, and pydantic's
+    ValidationError (which names the field) for malformed content.  Services
+    pass ``allow_paths=False`` so a request cannot make the server read its files.
+    """
+    if isinstance(spec, Profile):
+        return spec
+    if isinstance(spec, dict):
+        return Profile.model_validate(spec)
+    if not isinstance(spec, (str, Path)):
+        raise TypeError(
+            f"profile: expected a name, path, dict or Profile, got {type(spec).__name__}"
+        )
+    shipped = shipped_profiles()
+    if isinstance(spec, str) and spec in shipped:
+        path = _shipped_dir() / f"{spec}.json"
+    elif allow_paths and Path(spec).is_file():
+        path = Path(spec)
+    else:
+        kind = "a shipped profile nor a JSON file" if allow_paths else "a shipped profile"
+        raise ValueError(
+            f"profile: {str(spec)!r} is neither {kind}; shipped profiles: {', '.join(shipped)}"
+        )
+    # pydantic reports both malformed JSON and bad values as a ValidationError naming the field.
+    return Profile.model_validate_json(path.read_text())

@@ -1,0 +1,142 @@
+"""Compose per-stage costs into a training-step time with overlap and pipeline bubble.
+
+Assumptions (each is what the executor's runtime does, or a stated simplification):
+
+* Blocking communication (TP/SP collectives, activation resharding, pipeline
+  send/recv) sits on the critical path: it is never overlapped.
+* FSDP parameter all-gathers are prefetched one layer ahead (FSDP2's default
+  forward/backward prefetch): with ``layers`` equal units, the first unit's
+  gather is exposed and every later one hides behind the previous unit's
+  compute, so exposed = c/L + max(0, c - compute) * (L - 1)/L.
+* Gradient reduction (reduce-scatter or all-reduce) runs once per step, during
+  the last micro-batch's backward (earlier micro-batches accumulate without
+  sync), overlapped the same way, sharing the network with the backward's
+  re-gathers.
+* Pipeline: step = m * t_max + bubble, bubble = (sum(t) - t_max) / v (Alpa's
+  "sum of stages + (m - 1) * slowest", GPipe and 1F1B alike; interleaving with
+  v virtual stages per rank divides the fill/drain by v, Narayanan et al. 2021).
+* The optimizer step runs after everything, per device, unoverlapped.
+
+``step_time_s = compute_s + exposed_communication_s + pipeline_bubble_s + optimizer_s``;
+``resharding_s`` is the blocking part of ``exposed_communication_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from cost_model.compute import op_time
+from cost_model.memory import Schedule, model_state_bytes
+from cost_model.profile import Profile
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One pipeline stage (the whole model when pp = 1) on one device, per micro-batch."""
+
+    forward_compute_s: float
+    backward_compute_s: float  # including activation recomputation
+    blocking_comm_s: float = 0.0  # TP/SP collectives + resharding, forward and backward
+    gather_forward_s: float = 0.0  # FSDP parameter all-gathers in the forward
+    gather_backward_s: float = 0.0  # re-gathers in the backward (reshard_after_forward)
+    p2p_s: float = 0.0  # pipeline send/recv of activations and their gradients
+    grad_reduce_s: float = 0.0  # gradient reduce-scatter / all-reduce, once per step
+    optimizer_s: float = 0.0  # optimizer step, once per step
+    layers: int = 1  # equal units that FSDP prefetch pipelines over
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if value < 0:
+                raise ValueError(f"StageCost.{name}: must be >= 0, got {value}")
+        if self.layers < 1:
+            raise ValueError(f"StageCost.layers: must be >= 1, got {self.layers}")
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """Same fields as planner.schema.TimeBreakdown (build it with ``TimeBreakdown(**b.as_dict())``).
+
+    Seconds on one device of the bottleneck (slowest) pipeline stage, for the whole step.
+    """
+
+    step_time_s: float
+    compute_s: float
+    communication_s: float
+    exposed_communication_s: float
+    resharding_s: float
+    pipeline_bubble_s: float
+    optimizer_s: float
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def exposed(comm_s: float, compute_s: float, layers: int) -> float:
+    """Communication left exposed when prefetched one unit ahead of ``layers`` units of compute."""
+    per_comm, per_compute = comm_s / layers, compute_s / layers
+    return per_comm + max(0.0, per_comm - per_compute) * (layers - 1)
+
+
+def _microbatch(stage: StageCost, last: bool) -> tuple[float, float]:
+    """(compute, exposed communication) of one micro-batch on ``stage``."""
+    compute = stage.forward_compute_s + stage.backward_compute_s
+    backward_comm = stage.gather_backward_s + (stage.grad_reduce_s if last else 0.0)
+    hidden = exposed(stage.gather_forward_s, stage.forward_compute_s, stage.layers) + exposed(
+        backward_comm, stage.backward_compute_s, stage.layers
+    )
+    return compute, stage.blocking_comm_s + stage.p2p_s + hidden
+
+
+def compose_step(
+    stages: Sequence[StageCost],
+    microbatches: int = 1,
+    schedule: Schedule = "1f1b",
+    virtual_stages: int = 1,
+) -> StepBreakdown:
+    """Step time and its breakdown for ``stages`` (one entry per pipeline rank)."""
+    if not stages:
+        raise ValueError("stages: at least one stage is required")
+    if microbatches < 1:
+        raise ValueError(f"microbatches: must be >= 1, got {microbatches}")
+    if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
+        raise ValueError(f"schedule: expected gpipe, 1f1b or interleaved-1f1b, got {schedule!r}")
+    if virtual_stages < 1 or (virtual_stages > 1 and schedule != "interleaved-1f1b"):
+        raise ValueError(
+            f"virtual_stages: {virtual_stages} needs schedule interleaved-1f1b and >= 1"
+        )
+    m = microbatches
+    # per stage: (compute, exposed comm) of an ordinary and of the last micro-batch
+    per_stage = [(*_microbatch(s, last=False), _microbatch(s, last=True)[1]) for s in stages]
+    totals = [m * c + (m - 1) * e + e_last for c, e, e_last in per_stage]
+    bottleneck = totals.index(max(totals))
+    c, e, e_last = per_stage[bottleneck]
+    t_mb = [pc + pe for pc, pe, _ in per_stage]
+    bubble = (sum(t_mb) - max(t_mb)) / virtual_stages
+    slow = stages[bottleneck]
+    compute = m * c
+    exposed_comm = (m - 1) * e + e_last
+    optimizer = max(s.optimizer_s for s in stages)
+    communication = m * (
+        slow.blocking_comm_s + slow.p2p_s + slow.gather_forward_s + slow.gather_backward_s
+    )
+    return StepBreakdown(
+        step_time_s=compute + exposed_comm + bubble + optimizer,
+        compute_s=compute,
+        communication_s=communication + slow.grad_reduce_s,
+        exposed_communication_s=exposed_comm,
+        resharding_s=m * slow.blocking_comm_s,
+        pipeline_bubble_s=bubble,
+        optimizer_s=optimizer,
+    )
+
+
+def optimizer_time(
+    profile: Profile, params: float, optimizer: str = "adam-mixed", shard_degree: int = 1
+) -> float:
+    """Seconds of ``optimizer.step()`` over ``params`` (before FSDP sharding) on one device.
+
+    Element-wise and memory bound: the update's bytes (memory.OPTIMIZERS) over
+    achievable bandwidth; each FSDP rank updates only its shard.
+    """
+    return op_time(profile, 0, model_state_bytes(params, optimizer, shard_degree).update_traffic)

@@ -1,0 +1,607 @@
+"""Cost model: hand-computed values, monotonicity, DTensor agreement, profile validation."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import fields
+
+import pytest
+from pydantic import ValidationError
+
+from cost_model.comm import (
+    backward_placements,
+    bus_factor,
+    collective_time,
+    local_shape,
+    redistribute_cost,
+    redistribute_time,
+    step_collective,
+    transitions,
+)
+from cost_model.compute import gemm_efficiency, op_time
+from cost_model.memory import (
+    DEFAULT_HEADROOM,
+    fits,
+    inflight_microbatches,
+    korthikanti_activation_bytes,
+    model_state_bytes,
+    usable_bytes,
+)
+from cost_model.model_spec import ModelSpec, mfu, training_flops
+from cost_model.profile import Profile, load_profile, shipped_profiles
+from cost_model.step import StageCost, StepBreakdown, compose_step, exposed, optimizer_time
+
+GB = 1e9
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+# Round numbers so every expected value below can be checked by hand.
+TOY = {
+    "name": "toy",
+    "device_type": "cuda",
+    "peak_flops": {"bf16": 100e12, "fp32": 10e12},
+    "gemm_efficiency": [{"flops": 1e9, "efficiency": 0.2}, {"flops": 1e11, "efficiency": 0.8}],
+    "memory_bytes": 80 * 10**9,
+    "memory_bandwidth": 2e12,
+    "memory_efficiency": 0.5,
+    "kernel_floor_s": 5e-6,
+    "levels": [
+        {"name": "nvlink", "devices": 4, "latency_s": 1e-5,
+         "busbw": {k: 100 * GB for k in KINDS}},
+        {"name": "ib", "devices": None, "latency_s": 1e-4,
+         "busbw": {k: 10 * GB for k in KINDS}},
+    ],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def toy() -> Profile:
+    return load_profile(TOY)
+
+
+# -- profiles ---------------------------------------------------------------------
+
+
+def test_shipped_profiles_load_by_name_path_dict_and_instance(tmp_path):
+    names = shipped_profiles()
+    assert {"a100-sxm-80g", "h100-sxm-80g", "h200-sxm-141g", "cpu-gloo-local"} <= set(names)
+    for name in names:
+        p = load_profile(name)
+        assert p.name == name and p.source, f"{name} must say where its numbers come from"
+    h100 = load_profile("h100-sxm-80g")
+    path = tmp_path / "mine.json"
+    path.write_text(h100.model_dump_json())
+    assert load_profile(path) == h100
+    assert load_profile(str(path)) == h100
+    assert load_profile(h100.model_dump()) == h100
+    assert load_profile(h100) is h100
+    assert h100.peak_flops["bf16"] == pytest.approx(989.4e12)
+    assert load_profile("h200-sxm-141g").memory_bandwidth == 4.8e12
+    assert load_profile("cpu-gloo-local").device_type == "cpu"
+
+
+def test_unknown_profile_name_lists_shipped_names(tmp_path):
+    with pytest.raises(ValueError) as e:
+        load_profile("h100-typo")
+    assert "h100-typo" in str(e.value)
+    for name in shipped_profiles():
+        assert name in str(e.value)
+    path = tmp_path / "mine.json"
+    path.write_text(load_profile("h100-sxm-80g").model_dump_json())
+    with pytest.raises(ValueError, match="neither a shipped profile;"):
+        load_profile(str(path), allow_paths=False)  # what the HTTP service does
+    assert load_profile("a100-sxm-80g", allow_paths=False).name == "a100-sxm-80g"
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "loc"),
+    [
+        (("levels", 0, "busbw", "all_reduce"), -1.0, "levels.0.busbw.all_reduce"),
+        (("levels", 1, "latency_s"), -1e-6, "levels.1.latency_s"),
+        (("memory_efficiency",), 1.5, "memory_efficiency"),
+        (("peak_flops", "bf16"), 0, "peak_flops.bf16"),
+        (("gemm_efficiency", 1, "efficiency"), 0.0, "gemm_efficiency.1.efficiency"),
+        (("memory_bytes",), -5, "memory_bytes"),
+    ],
+)
+def test_profile_errors_name_the_field(path, value, loc):
+    bad = copy.deepcopy(TOY)
+    target = bad
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(ValidationError) as e:
+        load_profile(bad)
+    assert loc in str(e.value)
+
+
+def test_profile_structure_errors(tmp_path):
+    extra = {**copy.deepcopy(TOY), "peak_tflops": 3}
+    with pytest.raises(ValidationError, match="peak_tflops"):
+        load_profile(extra)
+    inner_unbounded = copy.deepcopy(TOY)
+    inner_unbounded["levels"][0]["devices"] = None
+    with pytest.raises(ValidationError, match="levels.0.devices"):
+        load_profile(inner_unbounded)
+    not_nested = copy.deepcopy(TOY)
+    not_nested["levels"][1]["devices"] = 6  # not a multiple of 4
+    with pytest.raises(ValidationError, match="levels.1.devices"):
+        load_profile(not_nested)
+    unsorted = copy.deepcopy(TOY)
+    unsorted["gemm_efficiency"].reverse()
+    with pytest.raises(ValidationError, match="increasing flops"):
+        load_profile(unsorted)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValidationError):
+        load_profile(broken)
+
+
+# -- compute ----------------------------------------------------------------------
+
+
+def test_op_time_roofline(toy):
+    assert op_time(toy, 0, 0) == 0.0  # views are free
+    assert op_time(toy, 10, 10) == 5e-6  # tiny kernels pay the floor
+    # 1e11 FLOPs at 80% of 100 TFLOP/s; memory side negligible
+    assert op_time(toy, 1e11, 1e6) == pytest.approx(1e11 / 80e12)
+    # memory bound: 1e10 bytes at 50% of 2 TB/s
+    assert op_time(toy, 1e6, 1e10) == pytest.approx(1e10 / 1e12)
+    assert op_time(toy, 1e11, 0, dtype="fp32") == pytest.approx(1e11 / 8e12)
+    # log-linear interpolation: 1e10 is halfway between 1e9 and 1e11
+    assert gemm_efficiency(toy, 1e10) == pytest.approx(0.5)
+    assert gemm_efficiency(toy, 1e15) == 0.8 and gemm_efficiency(toy, 1) == 0.2
+    with pytest.raises(ValueError, match="'fp8'.*bf16"):
+        op_time(toy, 1e9, 0, dtype="fp8")
+    with pytest.raises(ValueError, match="flops"):
+        op_time(toy, -1, 0)
+
+
+def test_op_time_monotone_in_flops_and_bytes(toy):
+    sizes = [10.0**e for e in range(3, 15)]
+    times = [op_time(toy, f, 0) for f in sizes]
+    assert times == sorted(times)
+    times = [op_time(toy, 0, b) for b in sizes]
+    assert times == sorted(times)
+
+
+# -- collectives --------------------------------------------------------------------
+
+
+def test_bus_factors():
+    assert bus_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert bus_factor(kind, 4) == pytest.approx(3 / 4)
+    assert bus_factor("send_recv", 2) == 1.0
+    with pytest.raises(ValueError, match="broadcast"):
+        bus_factor("broadcast", 2)
+
+
+def test_collective_inside_one_node(toy):
+    s = 1e9
+    assert collective_time(toy, "all_reduce", s, [4], 0) == pytest.approx(1e-5 + s * 1.5 / 100e9)
+    assert collective_time(toy, "all_gather", s, [4], 0) == pytest.approx(1e-5 + s * 0.75 / 100e9)
+    # mesh (2, 2): dim 0 has stride 2, still inside the 4-device node
+    assert collective_time(toy, "reduce_scatter", s, [2, 2], 0) == pytest.approx(
+        1e-5 + s * 0.5 / 100e9
+    )
+    assert collective_time(toy, "all_reduce", s, [1, 4], 0) == 0.0  # size-1 dim
+    assert collective_time(toy, "all_reduce", 0, [4], 0) == 0.0
+
+
+def test_collective_hierarchical_split(toy):
+    s = 1e9
+    # 8 ranks = 2 nodes x 4: intra phase on S among 4, inter phase on S/4 among 2
+    intra = 1e-5 + s * (2 * 3 / 4) / 100e9
+    inter = 1e-4 + (s / 4) * (2 * 1 / 2) / 10e9
+    assert collective_time(toy, "all_reduce", s, [8], 0) == pytest.approx(intra + inter)
+    intra = 1e-5 + s * (3 / 4) / 100e9
+    inter = 1e-4 + (s / 4) * (1 / 2) / 10e9
+    assert collective_time(toy, "all_gather", s, [8], 0) == pytest.approx(intra + inter)
+    # mesh (2, 4): dim 0 has stride 4, one member per node, all traffic on IB
+    assert collective_time(toy, "all_reduce", s, [2, 4], 0) == pytest.approx(1e-4 + s * 1.0 / 10e9)
+    # all-to-all: 3/8 of S to node-mates over nvlink, 4/8 to the other node over IB, in parallel
+    a2a = 1e-4 + max(s * 3 / 8 / 100e9, s * 4 / 8 / 10e9)
+    assert collective_time(toy, "all_to_all", s, [8], 0) == pytest.approx(a2a)
+    # 6 ranks = 4 + 2: the inter-node phase still runs (between 2 node groups, on S/4)
+    six = 1e-5 + s * (2 * 3 / 4) / 100e9 + 1e-4 + (s / 4) * (2 * 1 / 2) / 10e9
+    assert collective_time(toy, "all_reduce", s, [6], 0) == pytest.approx(six)
+    # send/recv: the pipeline is bounded by its slowest (inter-node) pair
+    assert collective_time(toy, "send_recv", s, [2, 4], 0) == pytest.approx(1e-4 + s / 10e9)
+    assert collective_time(toy, "send_recv", s, [4, 2], 1) == pytest.approx(1e-5 + s / 100e9)
+
+
+def test_dim_spanning_nodes_costs_more(toy):
+    for kind in KINDS:
+        for profile in (toy, load_profile("h100-sxm-80g")):
+            inside = collective_time(profile, kind, 1e8, [8, 4], 1)
+            across = collective_time(profile, kind, 1e8, [4, 8], 0)  # size 4, stride 8
+            assert across > inside, (kind, profile.name)
+
+
+def test_bigger_messages_never_cheaper(toy):
+    sizes = [2.0**e for e in range(10, 34, 2)]
+    for profile in (toy, load_profile("a100-sxm-80g"), load_profile("cpu-gloo-local")):
+        for kind in KINDS:
+            for mesh, dim in (([8], 0), ([2, 4], 0), ([4, 2], 1), ([16, 8], 0), ([2, 2, 2], 1)):
+                times = [collective_time(profile, kind, s, mesh, dim) for s in sizes]
+                assert times == sorted(times), (profile.name, kind, mesh, dim)
+                assert times[0] > 0
+
+
+def test_h100_large_all_reduce_reaches_datasheet_busbw():
+    h100 = load_profile("h100-sxm-80g")
+    s = 8e9
+    t = collective_time(h100, "all_reduce", s, [8], 0)
+    assert s * bus_factor("all_reduce", 8) / t == pytest.approx(370e9, rel=1e-3)
+
+
+def test_collective_input_errors(toy):
+    with pytest.raises(ValueError, match="kind"):
+        collective_time(toy, "gossip", 1e6, [4], 0)
+    with pytest.raises(ValueError, match="dim"):
+        collective_time(toy, "all_reduce", 1e6, [4], 1)
+    with pytest.raises(ValueError, match="mesh_shape"):
+        collective_time(toy, "all_reduce", 1e6, [0, 4], 1)
+    bounded = copy.deepcopy(TOY)
+    bounded["levels"][1]["devices"] = 16
+    with pytest.raises(ValueError, match="at most 16"):
+        collective_time(load_profile(bounded), "all_reduce", 1e6, [32], 0)
+
+
+# -- redistribution --------------------------------------------------------------------
+
+
+def test_redistribute_1d_transitions(toy):
+    shape, item = [1024, 512], 2
+    full = 1024 * 512 * 2
+    mesh = [4]
+
+    def coll(kind, nbytes):
+        return collective_time(toy, kind, nbytes, mesh, 0)
+
+    assert redistribute_time(toy, mesh, ["P"], ["R"], shape, item) == coll("all_reduce", full)
+    assert redistribute_time(toy, mesh, ["P"], ["S(0)"], shape, item) == coll(
+        "reduce_scatter", full
+    )
+    assert redistribute_time(toy, mesh, ["S(1)"], ["R"], shape, item) == coll("all_gather", full)
+    assert redistribute_time(toy, mesh, ["S(0)"], ["S(1)"], shape, item) == coll(
+        "all_to_all", full / 4
+    )
+    assert redistribute_time(toy, mesh, ["R"], ["S(0)"], shape, item) == op_time(
+        toy, 0, 2 * full / 4
+    )
+    assert redistribute_time(toy, mesh, ["R"], ["P"], shape, item) == op_time(toy, 0, 2 * full)
+    assert redistribute_time(toy, mesh, ["S(0)"], ["S(0)"], shape, item) == 0.0
+    with pytest.raises(ValueError, match="S\\(0\\) -> P"):
+        redistribute_time(toy, mesh, ["S(0)"], ["P"], shape, item)
+
+
+def test_redistribute_on_cpu_gathers_instead_of_all_to_all():
+    cpu = load_profile("cpu-gloo-local")
+    got = redistribute_time(cpu, [2], ["S(0)"], ["S(1)"], [64, 64], 4)
+    gather = collective_time(cpu, "all_gather", 64 * 64 * 4, [2], 0)
+    assert got == pytest.approx(gather + op_time(cpu, 0, 2 * 64 * 32 * 4))
+
+
+def test_redistribute_2d_uses_local_sizes(toy):
+    # (S(0), P) -> (S(0), R): the all-reduce on dim 1 moves the dim-0 shard only
+    got = redistribute_time(toy, [2, 4], ["S(0)", "P"], ["S(0)", "R"], [64, 128], 4)
+    assert got == collective_time(toy, "all_reduce", 32 * 128 * 4, [2, 4], 1)
+    # nested sharding: (S(0), S(0)) -> (R, S(0)) goes through R on dim 1 first (DTensor's greedy order)
+    assert transitions([2, 2], ["S(0)", "S(0)"], ["R", "S(0)"]) == [
+        (1, "S(0)", "R"), (0, "S(0)", "R"), (1, "R", "S(0)"),
+    ]  # fmt: skip
+    assert local_shape([2, 3], ["S(0)", "S(0)"], [13, 5]) == [3, 5]
+
+
+def test_redistribute_backward_follows_dtensor():
+    assert backward_placements(["P"], ["R"]) == ["R"]  # grad R stays R, no partial again
+    assert backward_placements(["P", "S(0)"], ["S(1)", "R"]) == ["R", "S(0)"]
+    assert backward_placements(["R"], ["S(0)"]) == ["R"]
+
+
+def test_redistribute_cost_forward_and_backward(toy):
+    shape, item = [4096, 4096], 2
+    full = 4096 * 4096 * 2
+    # Sequence-parallel entry: S(0) -> R forward (all-gather); backward gets R and goes back to S(0)
+    c = redistribute_cost(toy, [4], ["S(0)"], ["R"], shape, item)
+    assert c.forward_s == collective_time(toy, "all_gather", full, [4], 0)
+    assert c.backward_s == op_time(toy, 0, 2 * full / 4)
+    # ... and with a Partial gradient (a colwise matmul consumed the R input): reduce-scatter
+    c = redistribute_cost(toy, [4], ["S(0)"], ["R"], shape, item, grad_placements=["P"])
+    assert c.backward_s == collective_time(toy, "reduce_scatter", full, [4], 0)
+    assert c.total_s == c.forward_s + c.backward_s
+    # P -> R forward all-reduces; the R gradient goes back as R (free)
+    c = redistribute_cost(toy, [4], ["P"], ["R"], shape, item)
+    assert (c.forward_s > 0, c.backward_s) == (True, 0.0)
+
+
+def test_redistribute_errors_name_the_argument(toy):
+    with pytest.raises(ValueError, match="src: 1 placements"):
+        redistribute_time(toy, [2, 2], ["R"], ["R", "R"], [4], 4)
+    with pytest.raises(ValueError, match="dst: 'Shard\\(0\\)'"):
+        redistribute_time(toy, [2], ["R"], ["Shard(0)"], [4], 4)
+    with pytest.raises(ValueError, match="shards dim 2 of a 2-D tensor"):
+        redistribute_time(toy, [2], ["R"], ["S(2)"], [4, 4], 4)
+    with pytest.raises(ValueError, match="grad_placements"):
+        redistribute_cost(toy, [2], ["R"], ["S(0)"], [4, 4], 4, grad_placements=["R", "R"])
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    """An in-process fake process group of 8 ranks: DTensor's own planner, no communication."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.fail("a process group leaked from another test")
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (2, 2, 2)])
+def test_transitions_match_dtensor_planner(fake_world, mesh_shape):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    meta = TensorMeta(torch.Size([16, 16]), (16, 1), torch.float32)
+    to_torch = {"R": Replicate(), "P": Partial(), "S(0)": Shard(0), "S(1)": Shard(1)}
+    to_str = {v: k for k, v in to_torch.items()}
+    options = list(to_torch)
+    checked = 0
+    for src in itertools.product(options, repeat=len(mesh_shape)):
+        for dst in itertools.product(options, repeat=len(mesh_shape)):
+            if any(s.startswith("S") and d == "P" for s, d in zip(src, dst, strict=True)):
+                continue  # DTensor cannot do these either
+            spec = [
+                DTensorSpec(mesh, tuple(to_torch[p] for p in pl), tensor_meta=meta)
+                for pl in (src, dst)
+            ]
+            theirs = [
+                (t.mesh_dim, to_str[t.src_dst_placements[0]], to_str[t.src_dst_placements[1]])
+                for t in _gen_transform_infos_non_cached(*spec)
+            ]
+            assert transitions(mesh_shape, src, dst) == theirs, (src, dst)
+            checked += 1
+    assert checked > 100
+
+
+_TORCH_NAMES = {
+    "all_reduce": "c10d_functional.all_reduce",
+    "all_gather": "c10d_functional.all_gather_into_tensor",
+    "reduce_scatter": "c10d_functional.reduce_scatter_tensor",
+}
+
+
+def _predicted_collectives(mesh_shape, src, dst) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for m, a, b in transitions(mesh_shape, src, dst):
+        kind = step_collective(a, b, "cpu") if mesh_shape[m] > 1 else None
+        if kind is not None:
+            counts[_TORCH_NAMES[kind]] = counts.get(_TORCH_NAMES[kind], 0) + 1
+    return counts
+
+
+def test_forward_and_backward_collectives_match_dtensor(fake_world):
+    """What DTensor actually issues (counted by CommDebugMode) in both directions."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh_shape = (2, 4)
+    mesh = init_device_mesh("cpu", mesh_shape)
+    to_torch = {"R": Replicate(), "P": Partial(), "S(0)": Shard(0), "S(1)": Shard(1)}
+    checked = 0
+    for src in itertools.product(to_torch, repeat=2):
+        for dst in itertools.product(to_torch, repeat=2):
+            if any(d == "P" != s for s, d in zip(src, dst, strict=True)):
+                continue  # the public redistribute refuses to produce Partial
+            x = DTensor.from_local(
+                torch.ones(8, 8, requires_grad=True), mesh, [to_torch[p] for p in src]
+            )
+            forward, backward = CommDebugMode(), CommDebugMode()
+            with forward:
+                y = x.redistribute(mesh, [to_torch[p] for p in dst])
+            with backward:
+                y.to_local().sum().backward()  # the gradient arrives in dst placements
+            counts = {str(k): v for k, v in forward.get_comm_counts().items()}
+            assert counts == _predicted_collectives(mesh_shape, src, dst), ("fwd", src, dst)
+            counts = {str(k): v for k, v in backward.get_comm_counts().items()}
+            expected = _predicted_collectives(mesh_shape, dst, backward_placements(src, dst))
+            assert counts == expected, ("bwd", src, dst)
+            checked += 1
+    assert checked > 100
+
+
+# -- memory ----------------------------------------------------------------------------
+
+
+def test_model_state_bytes():
+    n = 1_000_000
+    assert model_state_bytes(n).total == 16 * n  # mixed-precision Adam
+    assert model_state_bytes(n, "adam-fp32").total == 16 * n
+    assert model_state_bytes(n, "sgd").total == 8 * n
+    fsdp = model_state_bytes(n, shard_degree=8)
+    assert (fsdp.weights, fsdp.grads, fsdp.optimizer) == (2 * n / 8, 2 * n / 8, 12 * n / 8)
+    zero1 = model_state_bytes(n, shard_degree=8, zero_stage=1)
+    assert (zero1.weights, zero1.grads, zero1.optimizer) == (2 * n, 2 * n, 12 * n / 8)
+    per_device = [model_state_bytes(8e9, shard_degree=d).total for d in (1, 2, 4, 8, 64, 512)]
+    assert per_device == sorted(per_device, reverse=True)
+    with pytest.raises(ValueError, match="optimizer: unknown 'lion'"):
+        model_state_bytes(n, "lion")
+    with pytest.raises(ValueError, match="shard_degree"):
+        model_state_bytes(n, shard_degree=0)
+
+
+def test_korthikanti_formulas():
+    s, b, h, a, L = 2048, 4, 4096, 32, 2
+    sbh = s * b * h
+    att = 5 * a * s / h
+    assert korthikanti_activation_bytes(s, b, h, a, L) == pytest.approx(L * sbh * (34 + att))
+    assert korthikanti_activation_bytes(s, b, h, a, L, tp=8) == pytest.approx(
+        L * sbh * (10 + 24 / 8 + att / 8)
+    )
+    assert korthikanti_activation_bytes(s, b, h, a, L, tp=8, sp=True) == pytest.approx(
+        L * sbh * (34 + att) / 8
+    )
+    assert korthikanti_activation_bytes(
+        s, b, h, a, L, tp=8, sp=True, checkpointing="selective"
+    ) == (pytest.approx(L * sbh * 34 / 8))
+    assert korthikanti_activation_bytes(s, b, h, a, L, checkpointing="full") == 2 * L * sbh
+    # fp32 activations: tensors double, the 1-byte dropout masks do not
+    fp32 = korthikanti_activation_bytes(s, b, h, a, L, bytes_per_elem=4)
+    assert fp32 == pytest.approx(L * (sbh * (64 + 2) + a * s * s * b * (8 + 1)))
+    with pytest.raises(ValueError, match="checkpointing"):
+        korthikanti_activation_bytes(s, b, h, a, L, checkpointing="some")
+
+
+def test_inflight_microbatches():
+    assert inflight_microbatches("gpipe", 4, 16) == 16
+    assert [inflight_microbatches("1f1b", 4, 16, stage=i) for i in range(4)] == [4, 3, 2, 1]
+    assert inflight_microbatches("1f1b", 4, 2) == 2
+    p, v = 4, 2  # stage 0 holds L(1 + (p-1)/(p v)) layers = p + (p-1)/v stages' worth
+    assert inflight_microbatches("interleaved-1f1b", p, 16, virtual_stages=v) == pytest.approx(
+        p + (p - 1) / v
+    )
+    with pytest.raises(ValueError, match="stage"):
+        inflight_microbatches("1f1b", 4, 8, stage=4)
+
+
+def test_fits_with_headroom(toy):
+    assert usable_bytes(toy) == int(80e9 * (1 - DEFAULT_HEADROOM))
+    assert fits(70e9, toy) and not fits(75e9, toy)
+    assert fits(75e9, toy, headroom=0.0)
+
+
+# -- model spec ------------------------------------------------------------------------
+
+
+def test_model_spec_matches_hf_parameter_counts():
+    from planner.presets import build_model, load_config
+
+    for name in ("llama-tiny", "gpt2-tiny", "gpt2"):
+        config = load_config(name)
+        n = sum(p.numel() for p in build_model(config).parameters())
+        assert ModelSpec.from_hf_config(config).num_params == n, name
+    # published sizes, from the config alone (no model built)
+    assert ModelSpec.from_hf_config(load_config("llama3-8b")).num_params == 8_030_261_248
+    assert ModelSpec.from_hf_config(load_config("llama3-70b")).num_params == 70_553_706_496
+    mixtral = ModelSpec.from_hf_config(load_config("mixtral-8x7b"))
+    assert (mixtral.num_params, mixtral.experts, mixtral.experts_per_token) == (
+        46_702_792_704,
+        8,
+        2,
+    )
+    assert mixtral.active_params == 12_879_925_248
+    qwen = ModelSpec.from_hf_config(load_config("qwen2-7b"))
+    assert qwen.num_params == 7_615_616_512  # q/k/v carry biases in Qwen2
+    assert ModelSpec.from_hf_config(load_config("gpt2")).tied_embeddings
+
+
+def test_moe_and_tied_parameter_counts_against_built_models():
+    from transformers import MixtralConfig, Qwen2Config
+
+    from planner.presets import build_model
+
+    for config in (
+        MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                      num_experts_per_tok=2),
+        Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    ):  # fmt: skip
+        n = sum(p.numel() for p in build_model(config).parameters())
+        assert ModelSpec.from_hf_config(config).num_params == n, config.model_type
+
+
+def test_training_flops_and_mfu():
+    from planner.presets import load_config
+
+    spec = ModelSpec.from_hf_config(load_config("llama3-8b"))
+    b, s = 8, 4096
+    dense = 6 * (spec.num_params - spec.vocab * spec.hidden) * b * s  # the lookup table is free
+    attention = 12 * 32 * s * 4096 * b * s
+    assert training_flops(spec, b, s) == pytest.approx(dense + attention)
+    assert training_flops(spec, b, s, causal=True) == pytest.approx(dense + attention / 2)
+    # ~6 * 8e9 * tokens: within 20% of the textbook number at this sequence length
+    assert 1.0 < training_flops(spec, b, s) / (6 * 8.03e9 * b * s) < 1.2
+    gpt2 = ModelSpec.from_hf_config(load_config("gpt2"))  # tied: the head still multiplies
+    assert gpt2.matmul_params == gpt2.num_params - 1024 * 768
+    assert mfu(1e15, 1.0, 4, 1e15) == 0.25
+    with pytest.raises(ValueError, match="step_time_s"):
+        mfu(1e15, 0.0, 4, 1e15)
+
+
+# -- step composition ------------------------------------------------------------------
+
+
+def test_step_breakdown_fields_match_plan_schema():
+    from planner.schema import TimeBreakdown
+
+    b = compose_step([StageCost(1.0, 2.0)])
+    assert {f.name for f in fields(StepBreakdown)} == set(TimeBreakdown.model_fields)
+    TimeBreakdown(**b.as_dict())
+
+
+def test_exposed_overlap():
+    assert exposed(1.0, 10.0, layers=10) == pytest.approx(0.1)  # only the first prefetch shows
+    assert exposed(10.0, 1.0, layers=10) == pytest.approx(1.0 + 0.9 * 9)  # comm-bound
+    assert exposed(3.0, 0.0, layers=1) == 3.0
+
+
+def test_compose_step_single_stage():
+    st = StageCost(forward_compute_s=1.0, backward_compute_s=2.0, blocking_comm_s=0.5,
+                   gather_forward_s=0.4, gather_backward_s=0.4, grad_reduce_s=4.0,
+                   optimizer_s=0.3, layers=4)  # fmt: skip
+    b = compose_step([st], microbatches=2)
+    fwd = 0.1  # 0.4/4 exposed, rest hidden behind 1.0 s of forward compute
+    bwd_mid = 0.1
+    bwd_last = exposed(4.4, 2.0, 4)  # re-gathers + gradient reduction behind 2.0 s
+    assert b.compute_s == pytest.approx(6.0)
+    assert b.exposed_communication_s == pytest.approx(2 * 0.5 + 2 * fwd + bwd_mid + bwd_last)
+    assert b.resharding_s == pytest.approx(1.0)
+    assert b.communication_s == pytest.approx(2 * (0.5 + 0.8) + 4.0)
+    assert b.pipeline_bubble_s == 0.0 and b.optimizer_s == 0.3
+    total = b.compute_s + b.exposed_communication_s + b.pipeline_bubble_s + b.optimizer_s
+    assert b.step_time_s == pytest.approx(total)
+
+
+def test_compose_step_pipeline_bubble():
+    stages = [StageCost(1.0, 2.0)] * 4
+    m = 8
+    gpipe = compose_step(stages, m, "gpipe")
+    assert gpipe.pipeline_bubble_s == pytest.approx(3 * 3.0)  # (pp - 1) * stage time
+    assert gpipe.step_time_s == pytest.approx((m + 3) * 3.0)
+    assert compose_step(stages, m, "1f1b").step_time_s == gpipe.step_time_s
+    inter = compose_step(stages, m, "interleaved-1f1b", virtual_stages=2)
+    assert inter.pipeline_bubble_s == pytest.approx(3 * 3.0 / 2)
+    # an unbalanced pipeline runs at its slowest stage
+    slow = compose_step([StageCost(1.0, 2.0), StageCost(2.0, 4.0)], m, "1f1b")
+    assert slow.compute_s == pytest.approx(m * 6.0) and slow.pipeline_bubble_s == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="virtual_stages"):
+        compose_step(stages, m, "1f1b", virtual_stages=2)
+    with pytest.raises(ValueError, match="StageCost.p2p_s"):
+        StageCost(1.0, 1.0, p2p_s=-1)
+
+
+def test_optimizer_time(toy):
+    # mixed Adam moves 28 B/param; FSDP over 4 divides it
+    assert optimizer_time(toy, 1e9) == pytest.approx(28e9 / 1e12)
+    assert optimizer_time(toy, 1e9, shard_degree=4) == pytest.approx(7e9 / 1e12)
+
+
+def test_gpu_profiles_describe_8_gpu_nodes_on_infiniband():
+    for name in ("a100-sxm-80g", "h100-sxm-80g", "h200-sxm-141g"):
+        p = load_profile(name)
+        assert [lv.devices for lv in p.levels] == [8, None], name
+        nvlink, ib = p.levels
+        assert nvlink.busbw.all_reduce > 4 * ib.busbw.all_reduce, name
+        assert 46e9 <= ib.busbw.all_reduce <= 49e9, name
+        assert p.gemm_efficiency[-1].efficiency <= 0.9, name  # never the full datasheet peak
