@@ -1,9 +1,31 @@
-"""meshplan planner: trace a model, search placements on a device mesh, write a plan."""
+"""meshplan planner: trace a model, search placements on a device mesh, write a plan.
 
-from planner.presets import ConfigError, load_config
-from planner.schema import SCHEMA_VERSION, Plan, Prediction, plan_json_schema
-from planner.search import PlanningError, default_shape, estimate, plan
-from planner.tracer import trace
+Attributes load lazily (PEP 562) so that ``planner.schema`` — all that ``meshplan show``,
+the service's store and the viewer need — does not import torch and transformers.
+"""
 
-__all__ = ["SCHEMA_VERSION", "ConfigError", "Plan", "PlanningError", "Prediction", "default_shape", "estimate",
-           "load_config", "plan", "plan_json_schema", "trace"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "SCHEMA_VERSION": "planner.schema",
+    "Plan": "planner.schema",
+    "Prediction": "planner.schema",
+    "plan_json_schema": "planner.schema",
+    "ConfigError": "planner.presets",
+    "load_config": "planner.presets",
+    "PlanningError": "planner.search",
+    "default_shape": "planner.search",
+    "estimate": "planner.search",
+    "plan": "planner.search",
+    "trace": "planner.tracer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'planner' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

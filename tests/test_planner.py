@@ -184,3 +184,10 @@ def test_small_model_on_many_nodes_is_not_pipelined():
     assert plan.pipeline is None and "pp" not in plan.mesh.names
     piped = [a for a in plan.solver.alternatives if "pp" in a.mesh and a.step_time_s is not None]
     assert piped and all(plan.prediction.time.step_time_s <= a.step_time_s for a in piped)
+
+
+def test_published_json_schema_is_current():
+    from pathlib import Path
+
+    published = json.loads((Path(__file__).parents[1] / "docs" / "plan.schema.json").read_text())
+    assert published == plan_json_schema(), "regenerate docs/plan.schema.json (meshplan schema)"
