@@ -3,20 +3,17 @@ and the plan's predicted step time against hand layouts evaluated by the same co
 model (issue 4).  Each (preset, devices) runs in a fresh process so wall time
 includes tracing and peak RSS is that run's own.
 
-    python bench/planner.py [--profile h100-sxm-80g] [--presets llama3-8b,...] [--devices 8,64,512]
+    python -m bench.planner [--profile h100-sxm-80g] [--presets llama3-8b,...] [--devices 8,64,512]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 
-# This file is named like the package it measures; keep its folder off the path.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-from planner.presets import PRESETS  # noqa: E402
+from planner.presets import PRESETS
 
 CHILD = r"""
 import json, resource, sys, time

@@ -4,7 +4,7 @@ concurrent clients, and /healthz latency while uncached plans are solving.
 Starts a real ``meshplan serve`` on a free loopback port with a fresh database.
 Every loop is bounded; nothing leaves the machine.
 
-    python bench/service_load.py [--clients 32] [--requests 25] [--uncached 6]
+    python -m bench.service_load [--clients 32] [--requests 25] [--uncached 6]
 
 Targets: 0 errors; cached p99 <= 50 ms at 32 clients; /healthz p99 <= 50 ms while
 uncached plans solve.

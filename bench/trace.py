@@ -2,7 +2,7 @@
 llama3-405b <= 2x llama3-8b).  Each preset is traced in a fresh process so that
 one-off import and first-export costs are counted the same for every row.
 
-    python bench/trace.py [--seq-len 4096] [--repeats 3]
+    python -m bench.trace [--seq-len 4096] [--repeats 3]
 """
 
 from __future__ import annotations

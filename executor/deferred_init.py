@@ -1,0 +1,193 @@
+"""Materialise a meta-device model shard by shard, bitwise equal to a 1-device init.
+
+The reference is ``executor.rng.manual_seed(seed)`` followed by building the
+model for real on one device: every random init op then takes the next value
+of :mod:`executor.rng`'s op counter, in construction order.  Because values
+depend only on ``(seed, counter, global element index)``, :func:`materialize`
+reproduces them by *replaying the same init program* on tensors that hold only
+each rank's shard: it restarts the counter at ``seed``, runs every module's
+``reset_parameters`` in construction order (what ``nn.Module.__init__`` does),
+then, for Hugging Face models, ``initialize_weights`` (what ``post_init``
+does).  The counter therefore advances exactly as in the reference, no rank
+allocates a full tensor, and no communication happens.
+
+A global counter was chosen over keying init ops by parameter name because
+the reference build cannot know parameter names while modules are being
+constructed (a child is named only when its parent attaches it), so name-keyed
+draws could not match a plain ``build on CPU``.  The price is the assumption
+documented in docs/rng.md: a module's random init lives in its
+``reset_parameters`` (torch's convention), or in the HF ``_init_weights``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from executor import rng
+
+__all__ = ["materialize", "register_init_draws", "PlacementFn"]
+
+# (mesh, placements) for a DTensor, or None for a plain (replicated) tensor.
+PlacementFn = Callable[[str], "tuple[object, Sequence[object]] | None"]
+
+
+def _construction_order(module: nn.Module) -> Iterator[nn.Module]:
+    """Post-order: a child's ``__init__`` (and its ``reset_parameters``) finishes before its parent's."""
+    for child in module.children():
+        yield from _construction_order(child)
+    yield module
+
+
+# Modules whose __init__ draws random values outside any reset method, keyed by
+# "module.qualname" so transformers is not imported here.  Each entry redoes
+# exactly the draws of that __init__, in the same order.
+_INIT_DRAWS: dict[str, Callable[[nn.Module], None]] = {
+    # transformers.pytorch_utils.Conv1D.__init__ (GPT-2): nn.init.normal_(self.weight, std=0.02)
+    "transformers.pytorch_utils.Conv1D": lambda m: nn.init.normal_(m.weight, std=0.02),
+}
+
+
+def register_init_draws(cls: type[nn.Module], redo: Callable[[nn.Module], None]) -> None:
+    """Declare the random draws ``cls.__init__`` makes outside ``reset_parameters``."""
+    _INIT_DRAWS[f"{cls.__module__}.{cls.__qualname__}"] = redo
+
+
+def _reset(module: nn.Module) -> None:
+    redo = _INIT_DRAWS.get(f"{type(module).__module__}.{type(module).__qualname__}")
+    if redo is not None:
+        redo(module)
+        return
+    # nn.MultiheadAttention's __init__ calls _reset_parameters (with an underscore).
+    for name in ("reset_parameters", "_reset_parameters"):
+        method = getattr(module, name, None)
+        if callable(method):
+            method()
+            return
+
+
+def _empty(
+    fqn: str, like: torch.Tensor, placements: PlacementFn | None, device: torch.device
+) -> torch.Tensor:
+    """Uninitialised storage for ``fqn``: the local shard only when it is placed on a mesh."""
+    spec = placements(fqn) if placements is not None else None
+    if spec is None:
+        return torch.empty(like.shape, dtype=like.dtype, device=device)
+    from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, places = spec
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"materialize: placements({fqn!r}) must return (DeviceMesh, placements) or None"
+        )
+    places = list(places)
+    if len(places) != mesh.ndim:
+        raise ValueError(
+            f"materialize: {fqn}: {len(places)} placements given for a {mesh.ndim}-D mesh"
+        )
+    for p in places:
+        if isinstance(p, Shard) and not -like.dim() <= p.dim < like.dim():
+            raise ValueError(
+                f"materialize: {fqn}: {p} is out of range for shape {tuple(like.shape)}"
+            )
+        if isinstance(p, Partial):
+            raise ValueError(f"materialize: {fqn}: a parameter cannot be initialised as {p}")
+    places = [Shard(p.dim % like.dim()) if isinstance(p, Shard) else p for p in places]
+    local_shape, _ = compute_local_shape_and_global_offset(like.shape, mesh, places)
+    local = torch.empty(local_shape, dtype=like.dtype, device=mesh.device_type)
+    stride = tuple(math.prod(like.shape[d + 1 :]) for d in range(like.dim()))
+    return DTensor.from_local(local, mesh, places, run_check=False, shape=like.shape, stride=stride)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def materialize(
+    model: nn.Module,
+    placements: PlacementFn | None = None,
+    *,
+    seed: int | None = None,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """Give every parameter and buffer of ``model`` real, shard-local storage and initialise it.
+
+    ``placements(fqn)`` returns ``(mesh, placements)`` to make that tensor a
+    DTensor holding only this rank's shard, or None to keep a plain tensor on
+    ``device``.  ``seed`` defaults to the last ``executor.rng.manual_seed``;
+    afterwards the generator stands where the reference's does after building
+    the model, so training draws match too.  Tied parameters stay tied.
+    Raises if some tensor is not written by the init program (a meta-device
+    model has no values to fall back on).
+    """
+    if seed is None:
+        seed = rng.get_state()["seed"]
+    rng.manual_seed(seed)
+    target = torch.device(device)
+
+    # Every (module, name) slot gets its own storage for the replay, as in the
+    # reference, where weights are tied only after initialisation.
+    first_name: dict[int, str] = {}
+    slots: list[tuple[nn.Module, str, str, bool]] = []  # module, attr, fqn, is_param
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for attr, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+            if tensor is None:
+                continue
+            fqn = f"{prefix}.{attr}" if prefix else attr
+            first_name.setdefault(id(tensor), fqn)
+            slots.append((module, attr, fqn, attr in module._parameters))
+    canonical: dict[str, str] = {}  # fqn -> the fqn whose storage it shares after tying
+    fresh: dict[str, torch.Tensor] = {}
+    for module, attr, fqn, is_param in slots:
+        old = module._parameters[attr] if is_param else module._buffers[attr]
+        canonical[fqn] = first_name[id(old)]
+        if fqn in fresh:  # a module reached twice through named_modules
+            continue
+        new = _empty(canonical[fqn], old, placements, target)
+        if new.is_floating_point():
+            _local(new).fill_(float("nan"))  # sentinel: "never written by the init program"
+        else:
+            _local(new).zero_()
+        if is_param:
+            new = nn.Parameter(new, requires_grad=old.requires_grad)
+            module._parameters[attr] = new
+        else:
+            module._buffers[attr] = new
+        fresh[fqn] = new
+
+    with torch.no_grad():
+        _clear_hf_flags(model)
+        for module in _construction_order(model):
+            _reset(module)
+            # A Hugging Face PreTrainedModel's __init__ ends with post_init(), which
+            # initialises its subtree there and then (nested models included).
+            if callable(getattr(module, "initialize_weights", None)):
+                module.initialize_weights()
+
+    for module, attr, fqn, is_param in slots:
+        source = fresh[canonical[fqn]]
+        (module._parameters if is_param else module._buffers)[attr] = source
+    missing = [
+        fqn
+        for fqn, t in fresh.items()
+        if canonical[fqn] == fqn and t.is_floating_point() and bool(_local(t).isnan().any())
+    ]
+    if missing:
+        raise ValueError(
+            "materialize: not initialised by reset_parameters()/_init_weights, so their values "
+            f"exist only in the meta model's constructor: {', '.join(missing)}"
+        )
+    return model
+
+
+def _clear_hf_flags(model: nn.Module) -> None:
+    """HF skips modules/tensors marked initialised; the replay must run them all."""
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+        for t in list(module._parameters.values()) + list(module._buffers.values()):
+            if t is not None and "_is_hf_initialized" in t.__dict__:
+                del t._is_hf_initialized

@@ -1,0 +1,1076 @@
+"""Randomness that is identical to a single-device run, whatever the sharding.
+
+Every random value is a pure function ``f(seed, k, i)`` of the seed, the index
+``k`` of the random op in program order (the *counter*) and the element's
+linear index ``i`` in the op's global (logical) tensor.  The function is the
+Philox4x32-10 counter-based generator (Salmon et al., SC'11), written here in
+vectorised torch integer ops: torch has no public stateless Philox usable on
+CPU and CUDA alike, and integer arithmetic is bit-exact on every device.  A
+DTensor rank evaluates ``f`` only for the global indices of its own shard, so
+no rank ever materialises the global tensor and no communication is needed.
+
+User code is unchanged: :func:`manual_seed` pushes a
+:class:`torch.overrides.TorchFunctionMode` that reroutes the random ops models
+use (dropout, attention dropout, ``torch.rand*``, ``Tensor.uniform_/normal_/
+bernoulli_`` and the ``nn.init`` functions) to this generator.  See
+``docs/rng.md`` for the contract, the activation rules and the limits.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "manual_seed",
+    "get_state",
+    "set_state",
+    "is_active",
+    "deactivate",
+    "checkpoint_context_fn",
+    "suspended",
+    "use_compiled_generator",
+    "dropout",
+    "sdpa",
+    "philox4x32",
+]
+
+_M32 = 0xFFFFFFFF
+_M64 = 0xFFFFFFFFFFFFFFFF
+_PHILOX_MUL = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_BUMP = (0x9E3779B9, 0xBB67AE85)
+_PHILOX_ROUNDS = 10
+
+Word = torch.Tensor | int  # 32-bit unsigned values held in int64 tensors or Python ints
+
+
+# --------------------------------------------------------------------------- Philox
+
+
+def _mulhilo(a: Word, m: int) -> tuple[Word, Word]:
+    """High and low 32-bit halves of the 64-bit product ``a * m``.
+
+    The product of two 32-bit values needs 64 unsigned bits; torch's int64 is
+    signed and unsigned 64-bit multiplies are not implemented on every device,
+    and relying on signed wrap-around is undefined behaviour in C++.  Splitting
+    ``a`` into 16-bit halves keeps every partial product below 2**48, so the
+    whole computation is exact in int64 (and in Python ints, used for the
+    parts of the counter that are the same for every element).
+    """
+    if isinstance(a, int):
+        big, small = (a >> 16) * m, (a & 0xFFFF) * m
+        return (big + (small >> 16)) >> 16, (((big & 0xFFFF) << 16) + small) & _M32
+    # Same formula, in place on fresh temporaries: allocation dominates on CPU.
+    big = (a >> 16).mul_(m)
+    small = (a & 0xFFFF).mul_(m)
+    hi = (small >> 16).add_(big).bitwise_right_shift_(16)
+    lo = big.bitwise_and_(0xFFFF).bitwise_left_shift_(16).add_(small).bitwise_and_(_M32)
+    return hi, lo
+
+
+def _xor3(a: Word, b: Word, c: Word) -> Word:
+    if isinstance(a, torch.Tensor):
+        return a.bitwise_xor_(b).bitwise_xor_(c)  # ``a`` is a fresh temporary
+    return a ^ b ^ c
+
+
+def philox4x32(counter: Sequence[Word], key: Sequence[Word]) -> tuple[Word, Word, Word, Word]:
+    """Philox4x32-10 block function: four 32-bit words per 128-bit counter.
+
+    Counter words may be int64 tensors (values in ``[0, 2**32)``) or Python
+    ints; the key is two Python ints or 0-d tensors.  Matches the Random123 known-answer
+    vectors (see tests/test_rng.py).
+    """
+    c0, c1, c2, c3 = counter
+    k0, k1 = key[0] & _M32, key[1] & _M32
+    for r in range(_PHILOX_ROUNDS):
+        if r:
+            k0 = (k0 + _PHILOX_BUMP[0]) & _M32
+            k1 = (k1 + _PHILOX_BUMP[1]) & _M32
+        hi0, lo0 = _mulhilo(c0, _PHILOX_MUL[0])
+        hi1, lo1 = _mulhilo(c2, _PHILOX_MUL[1])
+        c0, c1, c2, c3 = _xor3(hi1, c1, k0), lo1, _xor3(hi0, c3, k1), lo0
+    return c0, c1, c2, c3
+
+
+@dataclass(frozen=True)
+class _Indices:
+    """Global linear indices of the elements a rank computes, in local row-major order.
+
+    Three forms, cheapest first: a contiguous range ``start + [0, count)``
+    (plain tensors, Shard on the leading dim: Philox blocks are computed once
+    and all four output words are used); ``rows`` of ``run`` consecutive
+    indices each (Shard on an inner dim: only one int64 per row is stored, so
+    chunks materialise their indices on demand); or ``explicit`` indices.
+    """
+
+    start: int
+    count: int
+    device: torch.device
+    explicit: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    run: int = 0
+
+    @property
+    def index(self) -> torch.Tensor | None:
+        """One int64 per element, or None for the range form."""
+        if self.rows is None:
+            return self.explicit
+        steps = torch.arange(self.run, dtype=torch.int64, device=self.device)
+        return (self.rows.unsqueeze(-1) + steps).reshape(-1)
+
+    def to(self, device: torch.device) -> _Indices:
+        explicit = None if self.explicit is None else self.explicit.to(device)
+        rows = None if self.rows is None else self.rows.to(device)
+        return _Indices(self.start, self.count, device, explicit, rows, self.run)
+
+    def split(self, size: int) -> Iterator[_Indices]:
+        """Consecutive pieces of about ``size`` elements (whole rows), in order."""
+        if self.rows is not None:
+            per = max(1, size // self.run)
+            for at in range(0, len(self.rows), per):
+                rows = self.rows[at : at + per]
+                yield _Indices(0, len(rows) * self.run, self.device, rows=rows, run=self.run)
+            return
+        for at in range(0, self.count, size):
+            n = min(size, self.count - at)
+            if self.explicit is None:
+                yield _Indices(self.start + at, n, self.device)
+            else:
+                yield _Indices(0, n, self.device, explicit=self.explicit[at : at + n])
+
+    def pairs(self) -> _Indices:
+        """Indices of the element pairs (Box-Muller yields two normals per draw)."""
+        index = self.index
+        if index is not None:
+            return _Indices(0, self.count, self.device, explicit=index // 2)
+        if self.count == 0:
+            return self
+        first = self.start // 2
+        return _Indices(first, (self.start + self.count - 1) // 2 - first + 1, self.device)
+
+
+def _words(seed: int, op: int, where: _Indices, per: int) -> torch.Tensor:
+    """``per`` (1, 2 or 4) random 32-bit words for each index, shape ``(count, per)``.
+
+    Element ``i`` uses lane ``i % (4 // per)`` of Philox block ``i // (4 // per)``;
+    the Philox counter is ``(block, op)`` and the key is the seed.
+    """
+    lanes = 4 // per
+    arange = functools.partial(torch.arange, dtype=torch.int64, device=where.device)
+    if where.explicit is None and where.rows is None:
+        first = where.start // lanes
+        last = (where.start + where.count - 1) // lanes if where.count else first - 1
+        words = _philox(seed, op, arange(first, last + 1))
+        skip = where.start - first * lanes
+        return words.reshape(-1, per)[skip : skip + where.count]
+    if where.rows is not None and where.run >= 4 * lanes:
+        # Long rows: a (rows x blocks-per-row) grid of blocks, at most one spare block per row.
+        span = (where.run + lanes - 1) // lanes + 1
+        words = _philox(seed, op, ((where.rows // lanes).unsqueeze(-1) + arange(span)).reshape(-1))
+        take = (where.rows % lanes).unsqueeze(-1) + arange(where.run)
+        grid = words.view(len(where.rows), span * lanes, per)
+        return grid.gather(1, take.unsqueeze(-1).expand(-1, -1, per)).reshape(-1, per)
+    index = where.index
+    # The indices are increasing, so equal blocks are adjacent: compute each once.
+    blocks, which = torch.unique_consecutive(index // lanes, return_inverse=True)
+    return _philox(seed, op, blocks).view(-1, lanes, per)[which, index % lanes]
+
+
+def _philox(seed: int, op: int, blocks: torch.Tensor) -> torch.Tensor:
+    """``(len(blocks), 4)`` words, from the compiled kernel when it is switched on."""
+    key = (seed & _M32, seed >> 32)
+    if _COMPILED["fn"] is None:
+        return _philox_blocks(blocks, key[0], key[1], op & _M32, op >> 32)
+    as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=blocks.device)
+    return _COMPILED["fn"](
+        blocks, as_tensor(key[0]), as_tensor(key[1]), as_tensor(op & _M32), as_tensor(op >> 32)
+    )
+
+
+def _philox_blocks(
+    blocks: torch.Tensor, k0: Word, k1: Word, op_lo: Word, op_hi: Word
+) -> torch.Tensor:
+    """``(len(blocks), 4)`` words for counters ``(block, op)`` under key ``(k0, k1)``."""
+    zero = torch.zeros_like(blocks)
+    out = philox4x32((blocks & _M32, blocks >> 32, zero + op_lo, zero + op_hi), (k0, k1))
+    return torch.stack(out, dim=-1)
+
+
+_COMPILED: dict[str, Callable[..., torch.Tensor] | None] = {"fn": None}
+
+
+def use_compiled_generator(enabled: bool = True) -> None:
+    """Run the Philox rounds as one ``torch.compile``'d kernel instead of ~260 eager ops.
+
+    Off by default because the first call compiles (seconds with a warm
+    inductor cache, minutes cold); on, generation runs at the speed of
+    torch's native dropout (see bench/rng.py).  Integer ops are exact, so the
+    bits do not change.  Seed and counter are passed as tensors so the kernel
+    is compiled once, not once per op.
+    """
+    _COMPILED["fn"] = torch.compile(_philox_blocks, dynamic=True) if enabled else None
+
+
+def _mantissa_bits(dtype: torch.dtype) -> int:
+    if not dtype.is_floating_point:
+        raise TypeError(f"random floating-point values requested with dtype {dtype}")
+    return round(-math.log2(torch.finfo(dtype).eps)) + 1  # eps = 2**-(stored mantissa bits)
+
+
+def _unit(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integers in ``[0, 2**bits)`` built from 1 or 2 words (int64, exact)."""
+    if bits <= 32:
+        return words[:, 0] >> (32 - bits)
+    return (words[:, 0] << (bits - 32)) | (words[:, 1] >> (64 - bits))
+
+
+def _uniform01(seed: int, op: int, where: _Indices, dtype: torch.dtype) -> torch.Tensor:
+    """Uniform ``[0, 1)`` as float64, with the target dtype's mantissa resolution.
+
+    The integer-to-float conversion is exact, so results are bitwise equal on
+    every device; callers do their affine maps in float64 (IEEE-exact ops).
+    """
+    bits = _mantissa_bits(dtype)
+    words = _words(seed, op, where, 2 if bits > 32 else 1)
+    return _unit(words, bits).to(torch.float64) * 2.0**-bits
+
+
+def _standard_normal(seed: int, op: int, where: _Indices, dtype: torch.dtype) -> torch.Tensor:
+    """Box-Muller in float64: pair ``j`` gives elements ``2j`` (cos) and ``2j+1`` (sin).
+
+    log/sqrt/cos/sin are not correctly rounded, so unlike the integer path the
+    last float64 bit may differ between CPU and CUDA libraries; rounding to
+    float32 hides that except with probability about 2**-29 per element.
+    """
+    bits = min(_mantissa_bits(dtype) + 8, 53)  # a few guard bits keep the tail smooth
+    pairs = where.pairs()
+    per = 2 if bits > 32 else 1
+    words = _words(seed, op, pairs, 2 * per)
+    u1 = (_unit(words[:, :per], bits).to(torch.float64) + 1.0) * 2.0**-bits  # (0, 1]
+    u2 = _unit(words[:, per:], bits).to(torch.float64) * 2.0**-bits
+    radius, cos, sin = _box_muller(u1, u2)
+    index = where.index
+    if index is not None:
+        odd = (index & 1).bool()
+        return radius * torch.where(odd, sin, cos)
+    both = torch.stack((radius * cos, radius * sin), dim=-1).view(-1)
+    skip = where.start - 2 * (where.start // 2)
+    return both[skip : skip + where.count]
+
+
+_CHUNK = 32768  # at::internal::GRAIN_SIZE: smaller inputs are not split across threads
+_VECTOR_MULTIPLE = 64  # a multiple of every CPU vector width torch uses, times its unroll of 2
+
+
+def _box_muller(
+    u1: torch.Tensor, u2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sqrt(-2 log u1)``, ``cos(2 pi u2)``, ``sin(2 pi u2)`` independent of the input length.
+
+    torch's CPU kernels evaluate log/cos/sin with SIMD (Sleef) code but finish
+    each thread's chunk with a scalar libm loop, and the two may differ in the
+    last bit; which elements land in the scalar tail depends on the tensor's
+    length, i.e. on the sharding.  Feeding fixed-size, padded chunks keeps
+    every element on the SIMD path.  CUDA has no tail, so it runs whole.
+    """
+    if u1.device.type != "cpu":
+        theta = (2.0 * math.pi) * u2
+        return torch.sqrt(-2.0 * torch.log(u1)), torch.cos(theta), torch.sin(theta)
+    count = u1.numel()
+    pad = -count % _VECTOR_MULTIPLE
+    u1 = F.pad(u1, (0, pad), value=1.0)
+    theta = F.pad((2.0 * math.pi) * u2, (0, pad))
+    radius, cos, sin = torch.empty_like(u1), torch.empty_like(u1), torch.empty_like(u1)
+    for start in range(0, u1.numel(), _CHUNK):
+        part = slice(start, start + _CHUNK)
+        torch.log(u1[part], out=radius[part])
+        torch.cos(theta[part], out=cos[part])
+        torch.sin(theta[part], out=sin[part])
+    radius = torch.sqrt(radius.mul_(-2.0))
+    return radius[:count], cos[:count], sin[:count]
+
+
+def _bernoulli_keep(seed: int, op: int, where: _Indices, prob: float) -> torch.Tensor:
+    """Boolean draw with ``P(True) = prob`` on 24-bit integers (no float on the hot path).
+
+    ``u < prob`` for ``u = m / 2**24`` is exactly ``m < ceil(prob * 2**24)``.
+    """
+    threshold = math.ceil(prob * 2.0**24)
+    return (_words(seed, op, where, 1)[:, 0] >> 8) < threshold
+
+
+def _randint_values(seed: int, op: int, where: _Indices, low: int, high: int) -> torch.Tensor:
+    """``low + r % (high - low)`` with a 63-bit ``r`` (bias below 2**-31 for any int32 range)."""
+    if high <= low:
+        raise ValueError(f"randint: high ({high}) must be greater than low ({low})")
+    words = _words(seed, op, where, 2)
+    r = ((words[:, 0] & 0x7FFFFFFF) << 32) | words[:, 1]
+    return low + r % (high - low)
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass
+class _State:
+    seed: int | None = None
+    counter: int = 0
+
+
+_STATE = _State()
+_LOCK = threading.Lock()
+
+
+def _next_op() -> tuple[int, int]:
+    """Reserve the next op counter; every random op (meta tensors too) takes one."""
+    with _LOCK:
+        if _STATE.seed is None:
+            raise RuntimeError("executor.rng: call executor.rng.manual_seed(seed) first")
+        op = _STATE.counter
+        _STATE.counter += 1
+        return _STATE.seed, op
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the generator, reset the op counter and activate interception.
+
+    Also seeds torch's own generators (``torch.manual_seed``) so the random
+    ops this module does not cover stay reproducible on one device.  The
+    interception mode is pushed on the calling thread's torch-function mode
+    stack (torch keeps that stack per thread); call this outside any ``with``
+    block of another torch-function mode.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"executor.rng.manual_seed: seed must be an int, got {seed!r}")
+    with _LOCK:
+        _STATE.seed = seed & _M64
+        _STATE.counter = 0
+    torch.manual_seed(seed & _M64)
+    _install()
+
+
+def get_state() -> dict[str, int]:
+    """``{"seed", "counter"}``: all a checkpoint needs to resume the random stream."""
+    with _LOCK:
+        if _STATE.seed is None:
+            raise RuntimeError("executor.rng.get_state: call executor.rng.manual_seed(seed) first")
+        return {"seed": _STATE.seed, "counter": _STATE.counter}
+
+
+def set_state(state: dict[str, int]) -> None:
+    """Restore a state from :func:`get_state` (and activate interception)."""
+    for field in ("seed", "counter"):
+        value = state.get(field) if isinstance(state, dict) else None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"executor.rng.set_state: field {field!r} must be an int >= 0, got {value!r}"
+            )
+    with _LOCK:
+        _STATE.seed = state["seed"] & _M64
+        _STATE.counter = state["counter"]
+    _install()
+
+
+def checkpoint_context_fn() -> tuple[Any, Any]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+    The recomputation must redraw the forward's masks, so it runs with the
+    counter the forward started at and then puts the counter back.
+    """
+    start: dict[str, int] = {}
+
+    @contextmanager
+    def forward() -> Iterator[None]:
+        start["counter"] = get_state()["counter"]
+        yield
+
+    @contextmanager
+    def recompute() -> Iterator[None]:
+        resume = get_state()
+        set_state({"seed": resume["seed"], "counter": start["counter"]})
+        try:
+            yield
+        finally:
+            set_state(resume)
+
+    return forward(), recompute()
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def _dtensor_type() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def _is_dtensor(t: object) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return strides[::-1]
+
+
+def _box_indices(
+    global_shape: Sequence[int],
+    local_shape: Sequence[int],
+    offset: Sequence[int],
+    device: torch.device,
+) -> _Indices:
+    """Global row-major indices of the sub-box ``offset + [0, local_shape)``."""
+    count = math.prod(local_shape)
+    strides = _contiguous_strides(global_shape)
+    start = sum(o * s for o, s in zip(offset, strides, strict=True))
+    cut = [d for d, (n, g) in enumerate(zip(local_shape, global_shape, strict=True)) if n != g]
+    if count == 0 or not cut:
+        return _Indices(start if count else 0, count, device)
+    # Dims after the last cut one are whole, so each row of the box is one run.
+    last = cut[-1]
+    run = local_shape[last] * strides[last]
+    rows = torch.tensor(offset[last] * strides[last], dtype=torch.int64, device=device)
+    for n, o, s in zip(local_shape[:last], offset[:last], strides[:last], strict=True):
+        axis = (torch.arange(n, dtype=torch.int64, device=device) + o) * s
+        rows = (rows.unsqueeze(-1) + axis) if rows.dim() else rows + axis
+    rows = rows.reshape(-1)
+    if rows.numel() == 1:
+        return _Indices(int(rows), count, device)
+    return _Indices(0, count, device, rows=rows, run=run)
+
+
+def _layout(
+    t: torch.Tensor, op_name: str, allow_partial: bool = False
+) -> tuple[_Indices, tuple[int, ...]]:
+    """Which global indices ``t``'s local values stand for, and the local shape."""
+    if not _is_dtensor(t):
+        return _Indices(0, t.numel(), t.device), tuple(t.shape)
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for mesh_dim, p in enumerate(t.placements):
+        exact_shard = type(p) is Shard
+        if not (exact_shard or isinstance(p, (Replicate, Partial))):
+            raise NotImplementedError(
+                f"executor.rng.{op_name}: placement {p} on mesh dim {mesh_dim} is not supported "
+                "(Replicate, Shard(d) and, for dropout, Partial are)"
+            )
+        if isinstance(p, Partial) and not allow_partial:
+            raise ValueError(
+                f"executor.rng.{op_name}: a DTensor with placement {p} on mesh dim {mesh_dim} "
+                "holds partial sums, so filling it with random values is ambiguous; "
+                "redistribute it to Replicate or Shard first"
+            )
+    local = t.to_local()
+    local_shape, offset = compute_local_shape_and_global_offset(
+        t.shape, t.device_mesh, t.placements
+    )
+    if tuple(local_shape) != tuple(local.shape):
+        raise ValueError(
+            f"executor.rng.{op_name}: local shard shape {tuple(local.shape)} does not match "
+            f"{tuple(local_shape)} expected for global shape {tuple(t.shape)} with {t.placements}"
+        )
+    return _box_indices(t.shape, local_shape, offset, local.device), tuple(local_shape)
+
+
+def _rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Put local values back into ``like``'s layout (no communication)."""
+    if not _is_dtensor(like):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+# --------------------------------------------------------------------------- ops
+
+
+Sampler = Callable[[int, int, _Indices], torch.Tensor]
+
+_DRAW_CHUNK = 1 << 18  # elements per generation pass: bounds the int64 scratch (~8 MiB)
+
+
+def _draw(sampler: Sampler, seed: int, op: int, where: _Indices) -> torch.Tensor:
+    """``sampler`` over ``where`` in chunks, so temporaries never scale with the shard.
+
+    Philox needs about 16 bytes of int64 scratch per element; chunking keeps
+    that at a few tens of MB whatever the shard size (and in cache).
+    """
+    if where.count <= _DRAW_CHUNK:
+        return sampler(seed, op, where)
+    return torch.cat([sampler(seed, op, part) for part in where.split(_DRAW_CHUNK)])
+
+
+def _keep_sampler(prob: float) -> Sampler:
+    return lambda seed, op, where: _bernoulli_keep(seed, op, where, prob)
+
+
+def _sample_into(t: torch.Tensor, sampler: Sampler, op_name: str) -> torch.Tensor:
+    """In-place fill of ``t`` (plain, meta or DTensor) with one op's values."""
+    seed, op = _next_op()
+    if t.device.type == "meta":
+        return t
+    where, local_shape = _layout(t, op_name)
+    values = _draw(sampler, seed, op, where).view(local_shape)
+    return t.copy_(_rewrap(t, values))
+
+
+def _sample_new(
+    like: torch.Tensor | None,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    sampler: Sampler,
+    op_name: str,
+) -> torch.Tensor:
+    """New tensor (with ``like``'s layout when given) holding one op's values."""
+    seed, op = _next_op()
+    if device.type == "meta":
+        return torch.empty(shape, dtype=dtype, device=device)
+    if like is None:
+        where, local_shape = _Indices(0, math.prod(shape), device), tuple(shape)
+    else:
+        where, local_shape = _layout(like, op_name)
+        where = where.to(device)
+    values = _draw(sampler, seed, op, where).view(local_shape).to(dtype)
+    return values if like is None else _rewrap(like, values)
+
+
+def _uniform_sampler(low: float, high: float, dtype: torch.dtype) -> Sampler:
+    def sample(seed: int, op: int, where: _Indices) -> torch.Tensor:
+        return (_uniform01(seed, op, where, dtype) * (high - low) + low).to(dtype)
+
+    return sample
+
+
+def _normal_sampler(mean: float, std: float, dtype: torch.dtype) -> Sampler:
+    def sample(seed: int, op: int, where: _Indices) -> torch.Tensor:
+        return (_standard_normal(seed, op, where, dtype) * std + mean).to(dtype)
+
+    return sample
+
+
+def dropout(
+    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> torch.Tensor:
+    """``F.dropout`` with a single-device-identical mask (the intercepted op).
+
+    A Partial input keeps its placement: every rank draws the same mask, and
+    scaling partial sums by a common mask commutes with the pending sum.
+    """
+    if p < 0.0 or p > 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0.0:
+        return input
+    seed, op = _next_op()
+    if input.device.type == "meta":
+        return input if inplace else torch.empty_like(input)
+    where, local_shape = _layout(input, "dropout", allow_partial=True)
+    keep = _draw(_keep_sampler(1.0 - p), seed, op, where).view(local_shape)
+    local = input.to_local() if _is_dtensor(input) else input
+    mask = keep.to(local.dtype) * (0.0 if p == 1.0 else 1.0 / (1.0 - p))
+    if inplace:
+        if _is_dtensor(input):
+            return input.mul_(_rewrap(input, mask))
+        return input.mul_(mask)
+    return _rewrap(input, local * mask)
+
+
+def _bernoulli_values(probs: torch.Tensor | float, dtype: torch.dtype) -> Sampler:
+    if not isinstance(probs, torch.Tensor):
+        keep = _keep_sampler(float(probs))
+        return lambda seed, op, where: keep(seed, op, where).to(dtype)
+
+    def sample(seed: int, op: int, where: _Indices) -> torch.Tensor:
+        u = _draw(_uniform_sampler(0.0, 1.0, torch.float32), seed, op, where)
+        return (u < probs.reshape(-1)).to(dtype)
+
+    return sample
+
+
+def _local_probs(p: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor | float:
+    """Probabilities aligned with ``like``'s local shard."""
+    if not isinstance(p, torch.Tensor):
+        return p
+    if _is_dtensor(p):
+        if _is_dtensor(like) and p.placements != like.placements:
+            raise ValueError(
+                f"bernoulli: probability placements {p.placements} differ from the output's {like.placements}"
+            )
+        p = p.to_local()
+    return p.expand(like.to_local().shape if _is_dtensor(like) else like.shape)
+
+
+def sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``; with dropout it runs as explicit ops.
+
+    Fused kernels draw their attention-dropout mask from torch's generator in
+    a kernel-specific order, so the softmax/dropout/matmul decomposition is the
+    only way to give the probabilities our mask.
+    """
+    if dropout_p == 0.0:
+        return F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=0.0,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: attn_mask and is_causal cannot both be set")
+    if enable_gqa:
+        groups = query.size(-3) // key.size(-3)
+        key = key.repeat_interleave(groups, dim=-3)
+        value = value.repeat_interleave(groups, dim=-3)
+    factor = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    scores = query @ key.transpose(-2, -1) * factor
+    if is_causal:
+        length, source = query.size(-2), key.size(-2)
+        attn_mask = torch.ones(length, source, dtype=torch.bool, device=_local_device(query)).tril()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(
+                attn_mask.shape, dtype=scores.dtype, device=attn_mask.device
+            ).masked_fill(~attn_mask, float("-inf"))
+        scores = scores + _like_layout(attn_mask, scores)
+    weights = dropout(torch.softmax(scores, dim=-1), dropout_p, training=True)
+    return weights @ value
+
+
+def _local_device(t: torch.Tensor) -> torch.device:
+    return t.to_local().device if _is_dtensor(t) else t.device
+
+
+def _like_layout(bias: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """A plain mask added to DTensor scores is replicated on the scores' mesh."""
+    if _is_dtensor(scores) and not _is_dtensor(bias):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        return DTensor.from_local(
+            bias, scores.device_mesh, [Replicate()] * scores.device_mesh.ndim, run_check=False
+        )
+    return bias
+
+
+# --------------------------------------------------------------------------- interception
+
+
+@functools.cache
+def _signature(func: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(func)
+
+
+def _bind(func: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound = _signature(func).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _factory_options(
+    kwargs: dict[str, Any], op_name: str
+) -> tuple[torch.dtype | None, torch.device, bool]:
+    """dtype/device/requires_grad of a factory call; refuse options we would silently drop."""
+    if kwargs.get("layout", torch.strided) not in (None, torch.strided):
+        raise NotImplementedError(
+            f"executor.rng: torch.{op_name} with layout={kwargs['layout']} is not supported"
+        )
+    if kwargs.get("pin_memory"):
+        raise NotImplementedError(
+            f"executor.rng: torch.{op_name} with pin_memory=True is not supported"
+        )
+    device = kwargs.get("device")
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    return kwargs.get("dtype"), device, bool(kwargs.get("requires_grad", False))
+
+
+def _size(args: tuple, kwargs: dict) -> tuple[int, ...]:
+    if "size" in kwargs:
+        return tuple(kwargs["size"])
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        return tuple(args[0])
+    return tuple(int(a) for a in args)
+
+
+def _finish(t: torch.Tensor, out: torch.Tensor | None, requires_grad: bool) -> torch.Tensor:
+    if out is not None:
+        return out.copy_(t)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def _rand_factory(normal: bool) -> Callable[..., torch.Tensor]:
+    name = "randn" if normal else "rand"
+
+    def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
+        shape = _size(args, kwargs)
+        dtype, device, requires_grad = _factory_options(kwargs, name)
+        out = kwargs.get("out")
+        dtype = dtype or (out.dtype if out is not None else torch.get_default_dtype())
+        sampler = _normal_sampler(0.0, 1.0, dtype) if normal else _uniform_sampler(0.0, 1.0, dtype)
+        return _finish(_sample_new(None, shape, dtype, device, sampler, name), out, requires_grad)
+
+    return factory
+
+
+def _rand_like(normal: bool) -> Callable[..., torch.Tensor]:
+    name = "randn_like" if normal else "rand_like"
+
+    def like_factory(input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        dtype, _, requires_grad = _factory_options(kwargs, name)
+        dtype = dtype or input.dtype
+        device = (
+            torch.device(kwargs["device"])
+            if kwargs.get("device") is not None
+            else _local_device(input)
+        )
+        sampler = _normal_sampler(0.0, 1.0, dtype) if normal else _uniform_sampler(0.0, 1.0, dtype)
+        return _finish(
+            _sample_new(input, input.shape, dtype, device, sampler, name), None, requires_grad
+        )
+
+    return like_factory
+
+
+def _split_randint(ints: list[Any], kwargs: dict[str, Any]) -> tuple[int, int]:
+    if "high" in kwargs:
+        return int(kwargs.get("low", ints[0] if ints else 0)), int(kwargs["high"])
+    if len(ints) == 1:
+        return int(kwargs.get("low", 0)), int(ints[0])
+    if len(ints) == 2:
+        return int(ints[0]), int(ints[1])
+    raise TypeError(f"randint: expected (high, size) or (low, high, size), got {len(ints)} bounds")
+
+
+def _randint_factory(*args: Any, **kwargs: Any) -> torch.Tensor:
+    positional = list(args)
+    if "size" in kwargs:
+        shape = tuple(kwargs["size"])
+    elif positional and isinstance(positional[-1], (tuple, list, torch.Size)):
+        shape = tuple(positional.pop())
+    else:
+        raise TypeError("randint: missing the size argument")
+    low, high = _split_randint(positional, kwargs)
+    dtype, device, requires_grad = _factory_options(kwargs, "randint")
+    out = kwargs.get("out")
+    dtype = dtype or (out.dtype if out is not None else torch.int64)
+    sampler = _int_sampler(low, high)
+    return _finish(_sample_new(None, shape, dtype, device, sampler, "randint"), out, requires_grad)
+
+
+def _int_sampler(low: int, high: int) -> Sampler:
+    def sample(seed: int, op: int, where: _Indices) -> torch.Tensor:
+        return _randint_values(seed, op, where, low, high)
+
+    return sample
+
+
+def _randint_like(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    low, high = _split_randint(list(args), kwargs)
+    dtype, _, requires_grad = _factory_options(kwargs, "randint_like")
+    device = (
+        torch.device(kwargs["device"]) if kwargs.get("device") is not None else _local_device(input)
+    )
+    values = _sample_new(
+        input, input.shape, dtype or input.dtype, device, _int_sampler(low, high), "randint_like"
+    )
+    return _finish(values, None, requires_grad)
+
+
+def _uniform_(
+    t: torch.Tensor, a: float = 0.0, b: float = 1.0, *, generator: Any = None
+) -> torch.Tensor:
+    return _sample_into(t, _uniform_sampler(a, b, t.dtype), "uniform_")
+
+
+def _normal_(
+    t: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, generator: Any = None
+) -> torch.Tensor:
+    if std < 0:
+        raise RuntimeError(f"normal expects std >= 0.0, but found std {std}")
+    return _sample_into(t, _normal_sampler(mean, std, t.dtype), "normal_")
+
+
+def _bernoulli_(
+    t: torch.Tensor, p: torch.Tensor | float = 0.5, *, generator: Any = None
+) -> torch.Tensor:
+    return _sample_into(t, _bernoulli_values(_local_probs(p, t), t.dtype), "bernoulli_")
+
+
+def _bernoulli(
+    input: torch.Tensor, p: float | None = None, *, generator: Any = None, out: Any = None
+) -> torch.Tensor:
+    probs = input if p is None else p
+    sampler = _bernoulli_values(_local_probs(probs, input), input.dtype)
+    result = _sample_new(
+        input, input.shape, input.dtype, _local_device(input), sampler, "bernoulli"
+    )
+    return _finish(result, out, False)
+
+
+def _init_uniform(
+    tensor: torch.Tensor, a: float = 0.0, b: float = 1.0, generator: Any = None
+) -> torch.Tensor:
+    with torch.no_grad():
+        return _uniform_(tensor, a, b)
+
+
+def _init_normal(
+    tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, generator: Any = None
+) -> torch.Tensor:
+    with torch.no_grad():
+        return _normal_(tensor, mean, std)
+
+
+def _init_trunc_normal(
+    tensor: torch.Tensor,
+    mean: float = 0.0,
+    std: float = 1.0,
+    a: float = -2.0,
+    b: float = 2.0,
+    generator: Any = None,
+) -> torch.Tensor:
+    """torch's inverse-CDF algorithm (nn.init._no_grad_trunc_normal_) on our uniform."""
+
+    def cdf(x: float) -> float:
+        return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+    low, high = cdf((a - mean) / std), cdf((b - mean) / std)
+    with torch.no_grad():
+        _uniform_(tensor, 2 * low - 1, 2 * high - 1)
+        tensor.erfinv_()
+        tensor.mul_(std * math.sqrt(2.0))
+        tensor.add_(mean)
+        tensor.clamp_(min=a, max=b)
+    return tensor
+
+
+def _kaiming_std(tensor: torch.Tensor, a: float, mode: str, nonlinearity: str) -> float:
+    fan = nn.init._calculate_correct_fan(tensor, mode)
+    return nn.init.calculate_gain(nonlinearity, a) / math.sqrt(fan)
+
+
+def _init_kaiming_uniform(
+    tensor: torch.Tensor,
+    a: float = 0.0,
+    mode: str = "fan_in",
+    nonlinearity: str = "leaky_relu",
+    generator: Any = None,
+) -> torch.Tensor:
+    if 0 in tensor.shape:
+        return tensor
+    bound = math.sqrt(3.0) * _kaiming_std(tensor, a, mode, nonlinearity)
+    return _init_uniform(tensor, -bound, bound)
+
+
+def _init_kaiming_normal(
+    tensor: torch.Tensor,
+    a: float = 0.0,
+    mode: str = "fan_in",
+    nonlinearity: str = "leaky_relu",
+    generator: Any = None,
+) -> torch.Tensor:
+    if 0 in tensor.shape:
+        return tensor
+    return _init_normal(tensor, 0.0, _kaiming_std(tensor, a, mode, nonlinearity))
+
+
+def _xavier_std(tensor: torch.Tensor, gain: float) -> float:
+    fan_in, fan_out = nn.init._calculate_fan_in_and_fan_out(tensor)
+    return gain * math.sqrt(2.0 / float(fan_in + fan_out))
+
+
+def _init_xavier_uniform(
+    tensor: torch.Tensor, gain: float = 1.0, generator: Any = None
+) -> torch.Tensor:
+    bound = math.sqrt(3.0) * _xavier_std(tensor, gain)
+    return _init_uniform(tensor, -bound, bound)
+
+
+def _init_xavier_normal(
+    tensor: torch.Tensor, gain: float = 1.0, generator: Any = None
+) -> torch.Tensor:
+    return _init_normal(tensor, 0.0, _xavier_std(tensor, gain))
+
+
+def _bound(
+    impl: Callable[..., torch.Tensor], original: Callable[..., Any]
+) -> Callable[..., torch.Tensor]:
+    """Accept exactly the original's arguments, positional or keyword, across torch versions."""
+
+    accepted = inspect.signature(impl).parameters
+
+    def call(*args: Any, **kwargs: Any) -> torch.Tensor:
+        arguments = _bind(original, args, kwargs)
+        return impl(**{k: v for k, v in arguments.items() if k in accepted})
+
+    return call
+
+
+def _dropout_entry(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return dropout(**_bind(F.dropout, args, kwargs))
+
+
+def _sdpa_entry(*args: Any, **kwargs: Any) -> torch.Tensor:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    arguments = dict(zip(names, args, strict=False))
+    arguments.update(kwargs)
+    return sdpa(**arguments)
+
+
+def _torch_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    return dropout(input, p, train)
+
+
+# The composite ``nn.init`` functions are reimplemented (from torch's own formulas)
+# because a torch-function mode is switched off while it handles a call, so the
+# Tensor.uniform_/normal_ they call inside would not be seen.
+_HANDLERS: dict[Callable[..., Any], Callable[..., Any]] = {
+    F.dropout: _dropout_entry,
+    torch.dropout: _torch_dropout,
+    F.scaled_dot_product_attention: _sdpa_entry,
+    torch.rand: _rand_factory(normal=False),
+    torch.randn: _rand_factory(normal=True),
+    torch.rand_like: _rand_like(normal=False),
+    torch.randn_like: _rand_like(normal=True),
+    torch.randint: _randint_factory,
+    torch.randint_like: _randint_like,
+    torch.bernoulli: _bernoulli,
+    torch.Tensor.bernoulli: _bernoulli,
+    torch.Tensor.uniform_: _uniform_,
+    torch.Tensor.normal_: _normal_,
+    torch.Tensor.bernoulli_: _bernoulli_,
+    nn.init.uniform_: _bound(_init_uniform, nn.init.uniform_),
+    nn.init.normal_: _bound(_init_normal, nn.init.normal_),
+    nn.init.trunc_normal_: _bound(_init_trunc_normal, nn.init.trunc_normal_),
+    nn.init.kaiming_uniform_: _bound(_init_kaiming_uniform, nn.init.kaiming_uniform_),
+    nn.init.kaiming_normal_: _bound(_init_kaiming_normal, nn.init.kaiming_normal_),
+    nn.init.xavier_uniform_: _bound(_init_xavier_uniform, nn.init.xavier_uniform_),
+    nn.init.xavier_normal_: _bound(_init_xavier_normal, nn.init.xavier_normal_),
+}
+
+
+# By name, captured at import: while HF's guard is active, nn.init.<name> is its wrapper.
+_INIT_BY_NAME = {
+    f.__name__: h
+    for f, h in _HANDLERS.items()
+    if getattr(f, "__module__", None) == nn.init.__name__
+}
+
+
+def _hf_guarded(name: str) -> Callable[..., torch.Tensor] | None:
+    """Handler for ``transformers.initialization.<name>``.
+
+    While HF initialises weights it patches ``torch.nn.init.*`` with these
+    wrappers (they skip tensors flagged ``_is_hf_initialized``), so torch's
+    own dispatch hands the mode the wrapper, not the torch function.  The
+    wrapper's skip rule is kept; the draw is ours.
+    """
+    handler = _INIT_BY_NAME.get(name)
+    if handler is None:
+        return None
+
+    def guarded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if getattr(tensor, "_is_hf_initialized", False):
+            return tensor
+        return handler(tensor, *args, **kwargs)
+
+    return guarded
+
+
+def _handler(func: Callable[..., Any]) -> Callable[..., Any] | None:
+    handler = _HANDLERS.get(func)
+    if handler is None and getattr(func, "__module__", None) == "transformers.initialization":
+        handler = _hf_guarded(func.__name__)
+        if handler is not None:
+            _HANDLERS[func] = handler
+    return handler
+
+
+class _RandomMode(TorchFunctionMode):
+    """Reroutes covered random ops; everything else passes straight through.
+
+    Ops given an explicit ``generator=`` keep torch's semantics: the caller
+    asked for that generator (e.g. a DataLoader's shuffling).
+    """
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        handler = _handler(func)
+        if handler is None or kwargs.get("generator") is not None:
+            return func(*args, **kwargs)
+        return handler(*args, **kwargs)
+
+
+_MODE = _RandomMode()
+
+
+def is_active() -> bool:
+    """Whether interception is on in this thread."""
+    return any(m is _MODE for m in torch.overrides._get_current_function_mode_stack())
+
+
+def deactivate() -> None:
+    """Stop interception in this thread (the state is kept; ``manual_seed``/``set_state`` resume it)."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    if stack and stack[-1] is _MODE:
+        _MODE.__exit__(None, None, None)
+    elif is_active():
+        raise RuntimeError("executor.rng.deactivate: another torch-function mode is above ours")
+
+
+def _install() -> None:
+    """Push the mode for good (no ``__exit__``): the seed call is the only switch users need."""
+    if not is_active():
+        _MODE.__enter__()
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """Run a block with torch's native RNG (benchmarks and comparisons against it)."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    if not stack or stack[-1] is not _MODE:
+        if is_active():
+            raise RuntimeError("executor.rng.suspended: another torch-function mode is above ours")
+        yield
+        return
+    with torch.overrides._pop_mode_temporarily():
+        yield
