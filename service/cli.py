@@ -65,9 +65,9 @@ def _seconds(text: str) -> float:
 
 
 def _workload(args: argparse.Namespace) -> tuple[int, int]:
-    from service.models import default_batch_and_seq
+    from planner.search import default_shape
 
-    return default_batch_and_seq(args.model, args.devices, args.batch_size, args.seq_len)
+    return default_shape(args.model, args.devices, args.batch_size, args.seq_len)
 
 
 # -- subcommands -----------------------------------------------------------------

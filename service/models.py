@@ -23,12 +23,12 @@ from pydantic import (
 )
 
 from planner.presets import PRESETS
+from planner.search import DEFAULT_SEQ_LEN_CAP, default_shape
 
 MAX_DEVICES = 1 << 20
 MAX_BATCH_SIZE = 1 << 24
 MAX_SEQ_LEN = 1 << 21
 MAX_TIME_LIMIT_S = 600.0
-DEFAULT_SEQ_LEN_CAP = 4096
 
 # Config keys that make transformers look outside the config (remote code, hub
 # kernels, quantisers, files).  load_config ignores most of them, but a server
@@ -103,32 +103,13 @@ class PlanRequest(_Request):
         only by spelling a default out hash to the same plan."""
         if self.batch_size is not None and self.seq_len is not None:
             return self
-        batch, seq = default_batch_and_seq(self.planner_model(), self.devices, self.batch_size, self.seq_len)
+        batch, seq = default_shape(self.planner_model(), self.devices, self.batch_size, self.seq_len)
         return self.model_copy(update={"batch_size": batch, "seq_len": seq})
 
     def key(self) -> str:
         """Content address of a (defaults-filled) request: canonical JSON, sha256."""
         body = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(body.encode()).hexdigest()
-
-
-def default_batch_and_seq(model: Any, devices: int, batch_size: int | None,
-                          seq_len: int | None) -> tuple[int, int]:
-    """One sequence per device (always divisible by any data-parallel degree) and the
-    model's own context length capped at 4096 (tiny test presets have 64-128)."""
-    if seq_len is None:
-        from planner.presets import ConfigError, load_config
-
-        config = load_config(model)
-        field = "n_positions" if config.model_type == "gpt2" else "max_position_embeddings"
-        positions = getattr(config, field, None)
-        if positions is None:
-            seq_len = DEFAULT_SEQ_LEN_CAP
-        elif isinstance(positions, int) and not isinstance(positions, bool) and positions > 0:
-            seq_len = min(DEFAULT_SEQ_LEN_CAP, positions)
-        else:
-            raise ConfigError(f"{field}: must be a positive integer, got {positions!r}")
-    return (batch_size if batch_size is not None else devices), seq_len
 
 
 class StoredPlanResponse(BaseModel):
