@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import networkx as nx
 
 from cost_model.comm import collective_time
-from cost_model.compute import op_time
-from cost_model.memory import inflight_microbatches, usable_bytes
-from cost_model.step import StageCost, StepBreakdown, compose_step
+from cost_model.memory import inflight_microbatches, state_bytes_per_param, usable_bytes
+from cost_model.step import StageCost, StepBreakdown, compose_step, optimizer_time
 from planner.ilp import Solution
 from planner.strategies import Context, Unit
 
@@ -122,8 +121,8 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
         blocking_comm_s=part.blocking_s, gather_forward_s=part.gather_s / 2,
         gather_backward_s=part.gather_s / 2, p2p_s=p2p_s * virtual,
         grad_reduce_s=part.grad_sync_s, layers=max(n, 1),
-        # Adam touches weights, grads and states once each: memory bound
-        optimizer_s=op_time(ctx.profile, 0, 2 * part.state_bytes, ctx.dtype),
+        optimizer_s=optimizer_time(ctx.profile, part.state_bytes / state_bytes_per_param(ctx.optimizer).total,
+                                   ctx.optimizer),
     )
     inflight = inflight_microbatches(schedule, pp, ctx.microbatches, index, virtual)
     return cost, part.state_bytes + part.act_bytes * inflight

@@ -23,10 +23,10 @@ from typing import Any
 
 import networkx as nx
 
-from cost_model.compute import op_time, peak_flops
-from cost_model.memory import usable_bytes
+from cost_model.compute import peak_flops
+from cost_model.memory import state_bytes_per_param, usable_bytes
 from cost_model.profile import Profile, load_profile
-from cost_model.step import StageCost, StepBreakdown, compose_step
+from cost_model.step import StageCost, StepBreakdown, compose_step, optimizer_time
 from planner.ilp import InfeasibleError, Solution, min_memory, solve, tensors
 from planner.pipeline import SCHEDULES, Stage, best_pipeline, stage_modules
 from planner.presets import load_config
@@ -130,8 +130,8 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
         forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m,
         blocking_comm_s=sol.reshard_s / m, gather_forward_s=gather / (2 * m),
         gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen),
-        # Adam touches weights, grads and states once each: memory bound, per device.
-        optimizer_s=op_time(ctx.profile, 0, 2 * sum(state), ctx.dtype),
+        optimizer_s=optimizer_time(ctx.profile, sum(state) / state_bytes_per_param(ctx.optimizer).total,
+                                   ctx.optimizer),
         layers=max(graph.graph["layers"], 1),
     )
     acts = sum(c.act_bytes for c in chosen)
@@ -282,7 +282,10 @@ def _lead(cand: Candidate) -> tuple[str, ...]:
 
 
 def _parameters(graph: nx.DiGraph, cand: Candidate) -> list[ParameterPlacement]:
-    ndim = len(cand.ctx.mesh_shape)
+    """Placements at rest: the ILP's compute placements, with FSDP's dim-0 shard written
+    on fully-sharded data-parallel dims (where FSDP2 keeps parameters between uses)."""
+    ctx = cand.ctx
+    ndim = len(ctx.mesh_shape)
     placed: dict[str, tuple[str, ...]] = {}
     for c in cand.solution.choice.values():
         for fqn, pl in c.weights.items():
@@ -290,7 +293,8 @@ def _parameters(graph: nx.DiGraph, cand: Candidate) -> list[ParameterPlacement]:
     out: dict[str, tuple[str, ...]] = {}
     for fqn in graph.graph["param_shapes"]:
         pat = fqn_pattern(fqn)
-        out[pat] = placed.get(pat, ("R",) * ndim)
+        pl = placed.get(pat, ("R",) * ndim)
+        out[pat] = tuple("S(0)" if name in ctx.fsdp else p for name, p in zip(ctx.mesh_names, pl))
     return [ParameterPlacement(fqn=k, placements=[*_lead(cand), *v]) for k, v in out.items()]
 
 

@@ -93,6 +93,7 @@ def test_parameters_that_do_not_fit_are_fully_sharded():
     plan = planner.plan("llama3-8b", 8, "h100-sxm-80g", batch_size=8, seq_len=2048, mesh={"dp": 8})
     assert plan.data_parallel[0].mode == "fully_shard"
     assert plan.prediction.memory.parameters < 8.1e9 * 2 / 8 * 1.01
+    assert all(p.placements == ["S(0)"] for p in plan.parameters)  # FSDP at rest
 
 
 def test_infeasible_reports_memory_needed():
