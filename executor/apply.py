@@ -1,0 +1,406 @@
+"""``apply(plan, model)``: run an unchanged model under a plan, as SPMD over a device mesh.
+
+How the plan is realised (see docs/executor.md for the user-facing rules):
+
+* Mesh dims named in ``plan.data_parallel`` are data-parallel: the batch is sliced
+  over them (executor.data) and FSDP2 ``fully_shard`` runs over them (``fully_shard``
+  mode shards parameters on the plan's ``S(d)``; ``replicate`` mode is HSDP's
+  replicate dim).  Every other dim belongs to the *model mesh*: parameters become
+  DTensors with the plan's placements there.
+* On the model mesh, activations are DTensors too.  Tensors entering any module that
+  holds DTensor parameters are made Replicate DTensors if they are plain, so DTensor
+  sharding propagation computes every op exactly as on one device whatever the
+  placements: a plan can be slow (an implicit all-gather) but never wrong.  The plan's
+  ``modules`` layouts redistribute a module's first tensor input / output at its
+  boundary (sequence parallel, or where the planner wants the resharding); at the
+  root, outputs become plain full tensors again.
+* Everything is checked before anything is changed, so a bad plan leaves the model
+  as it was.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable import checkpoint  # keeps FQNs, unlike the wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication, register_sharding
+from torch.utils._pytree import tree_map_only
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from executor import deferred_init, rng
+from executor.data import DataParallelBatch
+from planner.schema import Fingerprint, ModuleLayout, Plan, pattern_matches, shard_dim
+
+# FSDP2 only replicates as part of HSDP (a replicate dim and a shard dim).  A plan with
+# a replicate dim but no fully_shard dim gets this extra size-1 shard dim, which
+# changes no rank's position; it reuses FSDP2's bucketed, overlapped all-reduce
+# instead of torch DDP, which does not take DTensor (tensor-parallel) parameters.
+_UNIT_SHARD_DIM = "_fsdp_unit"
+
+
+class PlanError(ValueError):
+    """The plan cannot run this model here; one line per problem, each naming its FQN or field."""
+
+
+@dataclass
+class _Layout:
+    """What the plan asks of each mesh dim, worked out once and checked."""
+
+    replicate: str | None = None  # data-parallel dim in replicate mode
+    shard: str | None = None  # data-parallel dim in fully_shard mode
+    model: tuple[str, ...] = ()  # every other dim: tensor/sequence parallel
+    placements: dict[str, list[str]] = field(default_factory=dict)  # fqn -> plan placements
+
+    @property
+    def data(self) -> tuple[str, ...]:
+        return tuple(d for d in (self.replicate, self.shard) if d)
+
+
+def apply(plan: Plan, model: nn.Module) -> nn.Module:
+    """Shard ``model`` in place as ``plan`` says and return it, ready for an unchanged loop.
+
+    Runs under any initialised process group (torchrun, or ``init_process_group``) whose
+    world size is ``plan.devices``; with no process group a 1-device plan returns the
+    model as the single-device reference.  Raises :class:`PlanError` listing every
+    mismatch between plan, model and world before touching the model.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    layout = _check(plan, model, world)
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if plan.devices == 1:
+        return deferred_init.materialize(model) if on_meta else model
+    mesh = _build_mesh(plan, layout)
+    model_mesh = mesh[layout.model] if _size(mesh, layout.model) > 1 else None
+    if on_meta:
+        _materialize(model, model_mesh, layout, plan.mesh.names)
+    if model_mesh is not None:
+        _distribute_parameters(model, model_mesh, layout, plan.mesh.names)
+        _register_activation_hooks(model, model_mesh, plan, layout.model)
+    batch = (DataParallelBatch(mesh, layout.data, layout.model if model_mesh is not None else ())
+             if _size(mesh, layout.data) > 1 else None)
+    _register_root_hooks(model, batch, model_mesh is not None)
+    _checkpoint_activations(model, plan, batch)
+    if layout.data:
+        _fully_shard(model, mesh, layout, plan.mesh.names)
+    return model
+
+
+# -- checks ------------------------------------------------------------------------------
+
+def _check(plan: Plan, model: nn.Module, world: int) -> _Layout:
+    problems: list[str] = []
+    named = list(model.named_parameters())
+    problems += plan.fingerprint.mismatches(Fingerprint.of((n, p.shape) for n, p in named))
+    if world != plan.devices:
+        where = "the process group" if dist.is_initialized() else "no process group (plain single process)"
+        problems.append(f"devices: the plan is for {plan.devices} devices, {where} has {world}")
+    if plan.devices > 1 and plan.mesh.device_type == "cuda" and not torch.cuda.is_available():
+        problems.append("mesh.device_type: the plan is for cuda, but CUDA is not available here")
+    if plan.pipeline is not None:
+        problems.append("pipeline: plans with pipeline stages are not run by executor.apply")
+    layout = _mesh_roles(plan, problems)
+    problems += _unmatched_patterns(plan, model)
+    names = plan.mesh.names
+    for fqn, p in named:
+        pl = plan.placement_for(fqn)
+        if pl is None:
+            problems.append(f"{fqn}: no placement in the plan")
+            continue
+        layout.placements[fqn] = pl
+        problems += _placement_problems(fqn, tuple(p.shape), pl, names, plan.mesh.shape, layout)
+    if problems:
+        raise PlanError("plan does not fit the model:\n  " + "\n  ".join(problems))
+    return layout
+
+
+def _mesh_roles(plan: Plan, problems: list[str]) -> _Layout:
+    layout = _Layout()
+    names = plan.mesh.names
+    for d in plan.data_parallel:
+        role = "replicate" if d.mode == "replicate" else "shard"
+        if getattr(layout, role) is not None:
+            problems.append(f"data_parallel: more than one {d.mode} dim ({getattr(layout, role)}, {d.dim})")
+        setattr(layout, role, d.dim)
+    layout.model = tuple(n for n in names if n not in layout.data)
+    order = [names.index(d) for d in layout.data]
+    if order != sorted(order) or (layout.model and order and max(order) > names.index(layout.model[0])):
+        problems.append(
+            f"mesh.dims: data-parallel dims must come first, replicate before fully_shard, got {list(names)}"
+        )
+    return layout
+
+
+def _unmatched_patterns(plan: Plan, model: nn.Module) -> list[str]:
+    fqns = [n for n, _ in model.named_parameters()]
+    modules = [n for n, _ in model.named_modules()]
+    out = [f"{p.fqn}: matches no parameter of the model" for p in plan.parameters
+           if not any(pattern_matches(p.fqn, f) for f in fqns)]
+    out += [f"modules: {m.module} matches no module of the model" for m in plan.modules
+            if not any(pattern_matches(m.module, n) for n in modules)]
+    return out
+
+
+def _placement_problems(fqn: str, shape: tuple[int, ...], pl: list[str], names: tuple[str, ...],
+                        sizes: tuple[int, ...], layout: _Layout) -> list[str]:
+    out = []
+    split = [1] * len(shape)  # how many pieces each tensor dim is cut into on the model mesh
+    for name, size, p in zip(names, sizes, pl, strict=True):
+        d = shard_dim(p)
+        if d is not None and d >= len(shape):
+            out.append(f"{fqn}: {p} on mesh dim {name!r}, but the parameter has {len(shape)} dims")
+            continue
+        if name == layout.replicate and p != "R":
+            out.append(f"{fqn}: {p} on replicate data-parallel dim {name!r}; only R is possible there")
+        elif name == layout.shard and d is None:
+            out.append(f"{fqn}: {p} on fully_shard dim {name!r}; FSDP shards every parameter, write S(d)")
+        elif name in layout.model and d is not None:
+            split[d] *= size
+    for d, pieces in enumerate(split):
+        if shape[d] % pieces:
+            out.append(f"{fqn}: dim {d} of size {shape[d]} does not split evenly into {pieces} "
+                       "tensor-parallel shards (uneven shards are only supported on fully_shard dims)")
+    return out
+
+
+# -- mesh and parameters --------------------------------------------------------------------
+
+def _build_mesh(plan: Plan, layout: _Layout) -> DeviceMesh:
+    device = plan.mesh.device_type
+    names, shape = list(plan.mesh.names), list(plan.mesh.shape)
+    if layout.replicate and not layout.shard:
+        at = names.index(layout.replicate) + 1
+        names.insert(at, _UNIT_SHARD_DIM)
+        shape.insert(at, 1)
+        layout.shard = _UNIT_SHARD_DIM
+    if device == "cuda":
+        local = os.environ.get("LOCAL_RANK")
+        torch.cuda.set_device(int(local) if local is not None else dist.get_rank() % torch.cuda.device_count())
+    return init_device_mesh(device, tuple(shape), mesh_dim_names=tuple(names))
+
+
+def _size(mesh: DeviceMesh, dims: tuple[str, ...]) -> int:
+    return math.prod(mesh.size(mesh.mesh_dim_names.index(d)) for d in dims)
+
+
+def _model_placements(pl: list[str], names: tuple[str, ...], model_dims: tuple[str, ...]) -> list[Placement]:
+    out: list[Placement] = []
+    for name in model_dims:
+        d = shard_dim(pl[names.index(name)])
+        out.append(Replicate() if d is None else Shard(d))
+    return out
+
+
+def _materialize(model: nn.Module, mesh: DeviceMesh | None, layout: _Layout,
+                 names: tuple[str, ...]) -> None:
+    """A meta-device model gets storage for its model-mesh shards only (executor.deferred_init),
+    initialised as the single-device build would be.  Data-parallel dims shard later, in
+    fully_shard, so before that a rank holds its tensor-parallel share of the model."""
+    device = "cuda" if mesh is not None and mesh.device_type == "cuda" else "cpu"
+
+    def placements(fqn: str) -> tuple[DeviceMesh, list[Placement]] | None:
+        if mesh is None or fqn not in layout.placements:  # buffers stay plain
+            return None
+        return mesh, _model_placements(layout.placements[fqn], names, layout.model)
+
+    deferred_init.materialize(model, placements, device=device)
+
+
+def _distribute_parameters(model: nn.Module, mesh: DeviceMesh, layout: _Layout,
+                           names: tuple[str, ...]) -> None:
+    """Every parameter becomes a DTensor on the model mesh; tied parameters stay tied."""
+    fqn_of = {id(p): n for n, p in model.named_parameters()}
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for pname, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if isinstance(p, DTensor):  # materialised from meta already sharded
+                continue
+            if id(p) not in new:
+                placements = _model_placements(layout.placements[fqn_of[id(p)]], names, layout.model)
+                new[id(p)] = nn.Parameter(distribute_tensor(p.data, mesh, placements),
+                                          requires_grad=p.requires_grad)
+            module._parameters[pname] = new[id(p)]
+
+
+# -- activations -------------------------------------------------------------------------------
+
+_CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_CPU_SDPA_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _register_cpu_attention_sharding() -> None:
+    """DTensor has sharding rules for the CUDA attention kernels but not for the CPU one
+    that ``F.scaled_dot_product_attention`` picks on CPU; attention is independent per
+    batch element and per head, so batch- and head-sharding are exact."""
+    @register_sharding(_CPU_SDPA)
+    def forward(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> list:
+        return [([p, p], [p, p, p] + [None] * len(args)) for p in (Replicate(), Shard(0), Shard(1))]
+
+    @register_sharding(_CPU_SDPA_BACKWARD)
+    def backward(*args: Any, **kwargs: Any) -> list:
+        return [([p] * 3, [p] * 6 + [None] * (len(args) - 6)) for p in (Replicate(), Shard(0), Shard(1))]
+
+
+def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,
+                               model_dims: tuple[str, ...]) -> None:
+    _register_cpu_attention_sharding()
+    replicate = [Replicate()] * mesh.ndim
+
+    def as_dtensor(t: torch.Tensor) -> torch.Tensor:
+        return t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, replicate, run_check=False)
+
+    def to_dtensors(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tree_map_only(torch.Tensor, as_dtensor, (args, kwargs))
+
+    def resolve_partial(t: DTensor) -> DTensor:
+        if not any(p.is_partial() for p in t.placements):
+            return t
+        return t.redistribute(mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+
+    def no_partial_outputs(module: nn.Module, args: tuple, out: Any) -> Any:
+        # A pending sum leaving a module would be reduced wherever DTensor next needs
+        # it, possibly after all-gathering weights; reduce it here, at the boundary.
+        return tree_map_only(DTensor, resolve_partial, out)
+
+    for name, module in model.named_modules():
+        if any(True for _ in module.parameters()):
+            module.register_forward_pre_hook(to_dtensors, with_kwargs=True)
+            module.register_forward_hook(no_partial_outputs)
+        layout = plan.layout_for(name)
+        if layout is not None:
+            _register_layout_hooks(module, mesh, layout, as_dtensor,
+                                   lambda spec: _model_placements(spec, plan.mesh.names, model_dims))
+
+
+def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLayout,
+                           as_dtensor: Callable[[torch.Tensor], DTensor],
+                           placements: Callable[[list[str]], list[Placement]]) -> None:
+    def redistribute(t: torch.Tensor, spec: list[str]) -> torch.Tensor:
+        target = placements(spec)
+        t = as_dtensor(t)
+        return t if list(t.placements) == target else t.redistribute(mesh, target)
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (redistribute(args[0], layout.input), *args[1:]), kwargs
+        key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+        if key is not None:
+            kwargs = {**kwargs, key: redistribute(kwargs[key], layout.input)}
+        return args, kwargs
+
+    def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            return redistribute(out, layout.output)
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+            return (redistribute(out[0], layout.output), *out[1:])
+        return out
+
+    if layout.input is not None:
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+    if layout.output is not None:
+        module.register_forward_hook(post, with_kwargs=True)
+
+
+def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tensor_parallel: bool) -> None:
+    """Root: slice the global batch, then (after forward) hand back plain global tensors.
+
+    With tensor parallelism the forward runs under ``implicit_replication``: tensors the
+    model creates inside its forward (masks, biases from ``torch.arange``) are the same
+    on every rank, so treating them as Replicate is exact."""
+    replication = ExitStack()
+
+    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if batch is not None:
+            args, kwargs = batch.slice(args, kwargs)
+        if tensor_parallel:
+            replication.enter_context(implicit_replication())
+        if batch is not None:
+            replication.enter_context(batch.randomness())
+        return args, kwargs
+
+    def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        replication.close()
+        if tensor_parallel:
+            out = tree_map_only(DTensor, lambda t: t.full_tensor(), out)
+        return batch.globalise(out) if batch is not None else out
+
+    model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+    model.register_forward_hook(post, with_kwargs=True, always_call=True)
+
+
+# -- data parallel and activation checkpointing -------------------------------------------
+
+def _fully_shard(model: nn.Module, mesh: DeviceMesh, layout: _Layout, names: tuple[str, ...]) -> None:
+    """FSDP2 per repeated block (a ModuleList entry), then the root, as torch recommends."""
+    dp_mesh = mesh[layout.data] if len(layout.data) > 1 else mesh[layout.data[0]]
+    fqn_of = {id(p): n for n, p in model.named_parameters()}
+    shard_at = names.index(layout.shard) if layout.shard in names else None
+
+    def placement(p: nn.Parameter) -> Shard:
+        if shard_at is None:
+            return Shard(0)
+        return Shard(shard_dim(layout.placements[fqn_of[id(p)]][shard_at]))
+
+    for block in _blocks(model):
+        fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    return [child for m in model.modules() if isinstance(m, nn.ModuleList)
+            for child in m if any(True for _ in child.parameters())]
+
+
+def _checkpoint_activations(model: nn.Module, plan: Plan, batch: DataParallelBatch | None) -> None:
+    """Recompute each repeated block in backward: all of it (``full``) or all but its matmul
+    and attention outputs (``selective``, torch's selective activation checkpointing)."""
+    if plan.activation_checkpointing == "none":
+        return
+    selective = plan.activation_checkpointing == "selective"
+    for block in _blocks(model):
+        checkpoint(block, context_fn=partial(_recompute_contexts, selective, batch))
+
+
+_SAVED_BY_SELECTIVE = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    _CPU_SDPA, torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+}
+
+
+def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recompute_contexts(selective: bool, batch: DataParallelBatch | None,
+                        ) -> tuple[AbstractContextManager, AbstractContextManager]:
+    """The recomputation must redraw the forward's dropout masks (executor.rng's contexts,
+    and the batch-slice view the root hooks give the forward) and, when selective, reuse
+    the saved matmuls (torch's contexts): run all the pairs."""
+    pairs = [rng.checkpoint_context_fn()] if rng.is_active() else []
+    if batch is not None:
+        pairs.append((nullcontext(), batch.randomness()))
+    if selective:
+        pairs.append(create_selective_checkpoint_contexts(_keep_matmuls))
+    return _together(p[0] for p in pairs), _together(p[1] for p in pairs)
+
+
+@contextmanager
+def _together(contexts: Iterable[AbstractContextManager]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield

@@ -1,0 +1,196 @@
+"""The global batch in, the global results out: data parallelism without touching the loop.
+
+Every rank is handed the same global batch.  Before the model runs, each rank keeps
+only its slice along dim 0 (its coordinate on the data-parallel mesh dims, row-major);
+after it runs, results are made global again so the loop sees single-device values:
+
+* a tensor whose dim 0 is the local batch is all-gathered along dim 0 (logits,
+  hidden states).  Backward hands each rank its own slice of the gradient, scaled by
+  the data-parallel size, because every rank computes the same global loss from the
+  gathered tensor and the data-parallel gradient reduction (FSDP2) averages;
+* a 0-dim floating tensor (the loss Hugging Face models compute from ``labels=``) is
+  averaged over the data-parallel ranks.  Backward passes the gradient through
+  unchanged: each rank's gradient is that of its local mean and the averaging
+  reduction makes it the gradient of the global mean.
+
+Dropout: on one device the mask of a batch element depends on its index in the global
+batch (executor.rng draws by global element index).  While the root forward runs, a
+torch-function mode hands dropout (and attention dropout) a DTensor view of the rank's
+slice, ``Shard(0)`` over the data-parallel dims, so executor.rng draws exactly the
+global batch's mask for this slice, without communication.
+
+The loss equals the single-device loss when every rank's slice holds the same number
+of counted tokens (no padding / ``ignore_index`` imbalance), as a mean of means must.
+Gathering costs an all-gather of the output per step; a loop that only needs the loss
+pays for logits it does not read (see docs/executor.md).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map_only
+
+from executor import rng
+
+
+class BatchError(ValueError):
+    """The batch cannot be split over the data-parallel ranks."""
+
+
+class DataParallelBatch:
+    """Slices inputs and globalises outputs over the data-parallel dims of a mesh."""
+
+    def __init__(self, mesh: DeviceMesh, dims: tuple[str, ...], model_dims: tuple[str, ...]) -> None:
+        # Gathers run innermost dim first so that the result is in row-major rank
+        # order, the order in which ``slice`` hands out the pieces.
+        self.groups = [mesh.get_group(d) for d in reversed(dims)]
+        self._random = _SlicedRandomness(mesh[dims + model_dims], len(dims))
+        self.size = 1
+        self.index = 0
+        for d in dims:
+            self.index = self.index * mesh.size(mesh.mesh_dim_names.index(d)) + mesh.get_local_rank(d)
+            self.size *= mesh.size(mesh.mesh_dim_names.index(d))
+        self._local_batch: int | None = None
+
+    def slice(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Every tensor whose dim 0 equals the first tensor input's dim 0 is sliced."""
+        first = next((t for t in _tensors((args, kwargs))), None)
+        if first is None or first.dim() == 0:
+            raise BatchError("batch: the model's first tensor input must have a batch dim 0")
+        batch = first.shape[0]
+        if batch % self.size:
+            raise BatchError(
+                f"batch: the global batch {batch} is not divisible by the data-parallel size {self.size}"
+            )
+        n = batch // self.size
+        self._local_batch = n
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.narrow(0, self.index * n, n) if t.dim() > 0 and t.shape[0] == batch else t
+
+        return tree_map_only(torch.Tensor, take, (args, kwargs))
+
+    def randomness(self) -> AbstractContextManager:
+        """Active around the forward (and any recomputation of it): slice-aware dropout."""
+        return self._random
+
+    def globalise(self, output: Any) -> Any:
+        n = self._local_batch
+
+        def fix(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() == 0 and t.is_floating_point():
+                return _MeanOverRanks.apply(t, self.groups, self.size)
+            if t.dim() > 0 and t.shape[0] == n:
+                return _GatherBatch.apply(t, self.groups, self.size, self.index)
+            return t
+
+        return tree_map_only(torch.Tensor, fix, output)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    tree_map_only(torch.Tensor, found.append, tree)
+    return found
+
+
+class _MeanOverRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, groups: list, size: int) -> torch.Tensor:
+        out = t.detach().clone()
+        for g in groups:
+            dist.all_reduce(out, group=g)  # SUM: gloo has no AVG
+        return out / size
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, None, None
+
+
+class _GatherBatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, groups: list, size: int, index: int) -> torch.Tensor:
+        ctx.size, ctx.index, ctx.n = size, index, t.shape[0]
+        out = t.detach().contiguous()
+        for g in groups:
+            parts = [torch.empty_like(out) for _ in range(dist.get_world_size(g))]
+            dist.all_gather(parts, out, group=g)
+            out = torch.cat(parts)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        local = grad.narrow(0, ctx.index * ctx.n, ctx.n) * ctx.size
+        return local, None, None, None
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class _SlicedRandomness(TorchFunctionMode):
+    """Dropout on a batch slice, drawn as the slice of the global batch's mask.
+
+    Sits above executor.rng's mode and calls its public ``dropout``/``sdpa`` on a view
+    whose dim 0 is the global batch (``Shard(0)`` on each data-parallel dim, then the
+    tensor's own model-mesh placements): the view shares the slice's storage, so no
+    rank gathers anything."""
+
+    def __init__(self, mesh: DeviceMesh, data_dims: int) -> None:
+        super().__init__()
+        self.mesh, self.data_dims = mesh, data_dims
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not rng.is_active() or kwargs.get("generator") is not None:
+            return func(*args, **kwargs)
+        if func is F.dropout or func is torch.dropout:
+            a = _bind_dropout(func, args, kwargs)
+            if not a["training"] or a["p"] == 0.0:
+                return func(*args, **kwargs)
+            out = self._back(rng.dropout(self._global(a["input"]), a["p"], True), a["input"])
+            return a["input"].copy_(out) if a["inplace"] else out
+        if func is F.scaled_dot_product_attention:
+            a = {**dict(zip(_SDPA_ARGS, args, strict=False)), **kwargs}
+            if not a.get("dropout_p"):
+                return func(*args, **kwargs)
+            q = a["query"]
+            batched = {k: self._global(v) if _has_batch(v, q) else v for k, v in a.items()}
+            return self._back(rng.sdpa(**batched), q)
+        return func(*args, **kwargs)
+
+    def _global(self, t: torch.Tensor) -> DTensor:
+        if isinstance(t, DTensor):
+            local, placements = t.to_local(), list(t.placements)
+        else:
+            local, placements = t, [Replicate()] * (self.mesh.ndim - self.data_dims)
+        return DTensor.from_local(local, self.mesh, [Shard(0)] * self.data_dims + placements,
+                                  run_check=False)
+
+    @staticmethod
+    def _back(out: DTensor, like: torch.Tensor) -> torch.Tensor:
+        local = out.to_local()
+        if isinstance(like, DTensor):
+            return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False)
+        return local
+
+
+def _has_batch(v: Any, query: torch.Tensor) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == query.shape[0] > 1
+
+
+def _bind_dropout(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    if func is torch.dropout:  # torch.dropout(input, p, train)
+        names, defaults = ("input", "p", "training"), {"inplace": False}
+    else:
+        names, defaults = ("input", "p", "training", "inplace"), {"p": 0.5, "training": True, "inplace": False}
+    bound = {**defaults, **dict(zip(names, args, strict=False)), **kwargs}
+    if "train" in bound:
+        bound["training"] = bound.pop("train")
+    return bound

@@ -1,0 +1,209 @@
+"""Run a function on N gloo ranks on CPU and collect what each rank returns.
+
+Starting ranks is the expensive part on 2 cores (each process imports torch and
+transformers), so the ranks of a world size are started once per test session and
+reused: every ``run_on_ranks`` call with that world size is one job for the same
+processes, which keep their gloo process group.  A test module still runs all its
+scenarios inside one call and asserts on the returned results.  A failure on any rank
+is re-raised in the parent with the rank's traceback, instead of a hang or a bare exit
+code, and retires those processes (their process group may be broken).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# A short timeout turns a rank stuck in a collective (its peer failed) into an error.
+_COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(rank: int, world_size: int, port: int, jobs: Any, done: Any) -> None:
+    """A rank: run jobs ``(fn, args, out_path)`` until told to stop (``None``)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT)
+    ok = True
+    while ok and (job := jobs.get()) is not None:
+        fn, args, out_path = job
+        try:
+            result: Any = ("ok", fn(*args))
+        except BaseException:  # report every failure to the parent
+            result = ("error", traceback.format_exc())
+        ok = result[0] == "ok"
+        torch.save(result, out_path)
+        done.put(rank)
+    if ok:
+        dist.barrier()  # gloo: a barrier before destroy, or a peer may see a reset
+    dist.destroy_process_group()
+
+
+class _Ranks:
+    """``world_size`` started ranks waiting for jobs."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.jobs = [ctx.Queue() for _ in range(world_size)]
+        self.done = ctx.Queue()
+        port = _free_port()
+        self.procs = [ctx.Process(target=_serve, args=(r, world_size, port, self.jobs[r], self.done),
+                                  daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], args: tuple) -> list[tuple[str, Any]]:
+        with tempfile.TemporaryDirectory() as out_dir:
+            paths = [os.path.join(out_dir, f"rank{r}.pt") for r in range(self.world_size)]
+            for r, q in enumerate(self.jobs):
+                q.put((fn, args, paths[r]))
+            finished = 0
+            while finished < self.world_size:
+                try:
+                    self.done.get(timeout=5)
+                    finished += 1
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                    if dead:
+                        raise RuntimeError(f"ranks {dead} died without a result") from None
+            return [torch.load(p, weights_only=False) for p in paths]
+
+    def stop(self) -> None:
+        for q, p in zip(self.jobs, self.procs, strict=True):
+            if p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+_RANKS: dict[int, _Ranks] = {}
+
+
+@atexit.register
+def _stop_all() -> None:
+    while _RANKS:
+        _RANKS.popitem()[1].stop()
+
+
+def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """``fn(*args)`` on every rank of a gloo group of ``world_size``; the per-rank results.
+
+    ``fn`` must be a module-level function (it is pickled into the rank processes).
+    The ranks may have run other jobs before: ``fn`` must not rely on fresh processes.
+    """
+    if world_size not in _RANKS:
+        _RANKS[world_size] = _Ranks(world_size)
+    try:
+        results = _RANKS[world_size].run(fn, args)
+    except BaseException:
+        _RANKS.pop(world_size).stop()
+        raise
+    errors = [f"rank {r}:\n{res[1]}" for r, res in enumerate(results) if res[0] == "error"]
+    if errors:
+        _RANKS.pop(world_size).stop()
+        raise RuntimeError("\n".join(errors))
+    return [res[1] for res in results]
+
+
+# -- plans for tests -------------------------------------------------------------------------
+# Real plans in the planner's schema, written by hand the way Megatron/TorchTitan shard
+# these models, so executor tests do not depend on the planner's search.
+
+_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "c_fc", "c_attn")
+_ROWWISE = ("o_proj", "down_proj", "c_proj")
+
+
+def _tp_placement(fqn: str, conv1d: bool) -> str:
+    """Megatron placement on the tensor-parallel dim.  Linear weights are [out, in];
+    GPT-2's Conv1D weights are [in, out], so its shard dims are swapped."""
+    parts = fqn.split(".")
+    owner, kind = parts[-2], parts[-1]
+    out_dim, in_dim = (1, 0) if conv1d else (0, 1)
+    if owner in _COLWISE:
+        return f"S({out_dim})" if kind == "weight" else "S(0)"
+    if owner in _ROWWISE and kind == "weight":
+        return f"S({in_dim})"
+    return "R"
+
+
+def make_plan(model: Any, mesh: dict[str, int], fsdp: bool = False, sp: bool = False,
+              batch_size: int = 8, seq_len: int = 16, checkpointing: str = "none") -> Any:
+    """A plan for an HF Llama-family / GPT-2 model or a plain MLP on ``mesh``.
+
+    Dims named ``dp`` are data parallel (FSDP when ``fsdp``), ``tp`` is tensor parallel
+    (with sequence parallelism when ``sp``)."""
+    from planner import schema as s
+
+    names = list(mesh)
+    conv1d = type(model).__name__.startswith("GPT2")
+    params = []
+    for fqn, _ in model.named_parameters():
+        pl = []
+        for name in names:
+            if name == "dp":
+                pl.append("S(0)" if fsdp else "R")
+            else:
+                pl.append(_tp_placement(fqn, conv1d))
+        params.append(s.ParameterPlacement(fqn=s.fqn_pattern(fqn), placements=pl))
+    params = list({p.fqn: p for p in params}.values())
+    modules = _sp_layouts(model, names) if sp else []
+    zero_time = s.TimeBreakdown(step_time_s=0, compute_s=0, communication_s=0, exposed_communication_s=0)
+    zero_mem = s.MemoryBreakdown(parameters=0, gradients=0, optimizer=0, activations=0, total=0,
+                                 capacity=0, fits=True)
+    devices = 1
+    for v in mesh.values():
+        devices *= v
+    return s.Plan(
+        model=type(model).__name__, profile="cpu-test", devices=devices, batch_size=batch_size,
+        seq_len=seq_len,
+        mesh=s.Mesh(dims=[s.MeshDim(name=n, size=v) for n, v in mesh.items()], device_type="cpu"),
+        parameters=params, modules=modules,
+        data_parallel=[s.DataParallelDim(dim="dp", mode="fully_shard" if fsdp else "replicate")]
+        if "dp" in mesh else [],
+        activation_checkpointing=checkpointing,
+        prediction=s.Prediction(time=zero_time, memory=zero_mem, tokens_per_s_per_device=0, mfu=0),
+        fingerprint=s.Fingerprint.of((n, p.shape) for n, p in model.named_parameters()),
+        solver=s.SolverStats(solver="hand", status="given", variables=0, constraints=0,
+                             solve_time_s=0, total_time_s=0, objective=0),
+    )
+
+
+def _sp_layouts(model: Any, names: list[str]) -> list[Any]:
+    """Sequence parallel (TorchTitan's Llama plan): the residual stream is sharded on the
+    sequence dim, gathered before attention / MLP, reduce-scattered after them."""
+    from planner.schema import ModuleLayout, fqn_pattern
+
+    def on_tp(p: str) -> list[str]:
+        return [p if n == "tp" else "S(0)" for n in names]
+
+    seq, rep = on_tp("S(1)"), on_tp("R")
+    out: dict[str, ModuleLayout] = {}
+    for name, _ in model.named_modules():
+        pat, last = fqn_pattern(name), name.rsplit(".", 1)[-1]
+        if last in ("embed_tokens", "o_proj", "down_proj"):
+            out[pat] = ModuleLayout(module=pat, output=seq)
+        elif last in ("self_attn", "mlp"):
+            out[pat] = ModuleLayout(module=pat, input=rep)
+        elif last.endswith("norm") or last.endswith("layernorm"):
+            out[pat] = ModuleLayout(module=pat, input=seq, output=seq)
+    return list(out.values())

@@ -1,0 +1,61 @@
+"""Calibration: the fit recovers a known model exactly; a real (small) run writes a usable profile."""
+
+from __future__ import annotations
+
+import pytest
+
+from cost_model.calibrate import calibrate, fit_collectives
+from cost_model.comm import bus_factor, collective_time
+from cost_model.profile import COLLECTIVE_KINDS, load_profile
+
+
+def test_fit_recovers_latency_and_busbw_of_synthetic_samples():
+    latency = 3e-4
+    busbw = {k: (i + 1) * 1e9 for i, k in enumerate(COLLECTIVE_KINDS)}
+    samples = [
+        (k, w, n, latency + n * bus_factor(k, w) / busbw[k])
+        for k in COLLECTIVE_KINDS
+        for w in (2, 4)
+        for n in (2**16, 2**20, 2**23)
+    ]
+    got_latency, got_busbw, unfit = fit_collectives(samples)
+    assert unfit == []
+    assert got_latency == pytest.approx(latency, rel=1e-6)
+    for k in COLLECTIVE_KINDS:
+        assert got_busbw[k] == pytest.approx(busbw[k], rel=1e-6)
+
+
+def test_fit_falls_back_when_noise_hides_the_bandwidth():
+    # all_gather runs faster than the latency every other kind shows (noise):
+    # no positive slope explains it
+    samples = [(k, 2, n, 1e-4 + n / 1e9) for k in COLLECTIVE_KINDS for n in (2**16, 2**20)]
+    samples = [s for s in samples if s[0] != "all_gather"]
+    samples += [("all_gather", 2, 2**16, 5e-5), ("all_gather", 2, 2**20, 4e-5)]
+    _, busbw, unfit = fit_collectives(samples)
+    assert unfit == ["all_gather"]
+    # the fallback bandwidth is the median of S*f(n)/t over its two samples
+    assert busbw["all_gather"] == pytest.approx((2**15 / 5e-5 + 2**19 / 4e-5) / 2)
+    assert busbw["all_reduce"] == pytest.approx(1e9 / bus_factor("all_reduce", 2), rel=1e-6)
+
+
+def test_calibrate_argument_errors(tmp_path):
+    with pytest.raises(ValueError, match="world_sizes"):
+        calibrate(tmp_path / "x.json", world_sizes=(1,))
+    with pytest.raises(ValueError, match="message_sizes"):
+        calibrate(tmp_path / "x.json", message_sizes=(2**16,))
+
+
+def test_calibrate_small_run_writes_a_loadable_profile(tmp_path):
+    messages: list[str] = []
+    out = tmp_path / "here.json"
+    profile = calibrate(
+        out, world_sizes=(2,), progress=messages.append, message_sizes=(2**16, 2**20)
+    )
+    assert load_profile(out) == profile
+    assert profile.name == "here" and profile.device_type == "cpu"
+    assert profile.peak_flops["fp32"] > 1e9  # any CPU that runs torch does a GFLOP/s
+    assert all(0 < p.efficiency <= 1 for p in profile.gemm_efficiency)
+    assert any("among 2 processes" in m for m in messages) and messages[-1].startswith("wrote")
+    # the fitted profile predicts a 1 MB all-reduce between 2 processes within an order of magnitude
+    t = collective_time(profile, "all_reduce", 2**20, [2], 0)
+    assert 1e-6 < t < 1.0

@@ -1,0 +1,307 @@
+"""executor.apply: N-device training equals the single-device run, and bad plans are refused.
+
+Each world size is spawned once for the module (gloo, CPU); every rank trains every
+scenario and returns per-step losses and the final full parameters, which are compared
+with the same training loop run here with a 1-device plan and no process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist import make_plan, run_on_ranks
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import executor
+import planner
+from planner.presets import PRESETS, build_model, load_config
+from planner.schema import ParameterPlacement, Plan
+
+STEPS = 10
+BATCH, SEQ = 8, 16
+SEED = 1234
+
+
+class MLP(nn.Module):
+    """A plain (non-HF) model whose loss the training loop computes from its output."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(16, 64)
+        self.down_proj = nn.Linear(64, 16)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.drop(torch.relu(self.up_proj(x))))
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # "llama", "qwen2", "mistral" (tiny Llama shapes), "gpt2" or "mlp"
+    mesh: dict[str, int] = field(default_factory=lambda: {"dp": 1})
+    fsdp: bool = False
+    sp: bool = False
+    dropout: float = 0.0
+    meta: bool = False  # build on the meta device, materialise through apply
+    checkpointing: str = "none"  # the plan's activation checkpointing
+
+    @property
+    def name(self) -> str:
+        mesh = "x".join(f"{k}{v}" for k, v in self.mesh.items())
+        flags = [f for f, on in (("fsdp", self.fsdp), ("sp", self.sp), ("meta", self.meta)) if on]
+        ac = [] if self.checkpointing == "none" else [f"ac-{self.checkpointing}"]
+        return "-".join([self.model, mesh, *flags, *ac, f"drop{self.dropout}"])
+
+    def reference(self) -> Case:
+        return Case(self.model, dropout=self.dropout)
+
+
+def build(case: Case) -> nn.Module:
+    device = "meta" if case.meta else "cpu"
+    if case.model == "mlp":
+        with torch.device(device):
+            model = MLP(case.dropout)
+    elif case.model in ("llama", "qwen2", "mistral"):  # qwen2 adds q/k/v biases
+        cfg = {**PRESETS["llama-tiny"], "model_type": case.model, "attention_dropout": case.dropout}
+        model = build_model(load_config(cfg), device=device)
+    else:
+        p = case.dropout
+        cfg = {**PRESETS["gpt2-tiny"], "resid_pdrop": p, "embd_pdrop": p, "attn_pdrop": p}
+        model = build_model(load_config(cfg), device=device)
+    return model.train()
+
+
+def batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    with executor.rng.suspended():
+        g = torch.Generator().manual_seed(7)
+        if case.model == "mlp":
+            return [(torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 16, generator=g))
+                    for _ in range(STEPS)]
+        ids = [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+        return [(x, x) for x in ids]
+
+
+def loss_of(model: nn.Module, case: Case, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if case.model == "mlp":
+        return F.mse_loss(model(x), y)  # computed from the (global) output in the loop
+    return model(input_ids=x, labels=y, use_cache=False).loss
+
+
+def train(case: Case, plan_json: str | None = None) -> dict[str, Any]:
+    """The user's loop: identical on 1 and N devices except for the plan (``plan_json``, or
+    the hand-written plan for ``case``)."""
+    data = batches(case)
+    executor.rng.manual_seed(SEED)
+    model = build(case)
+    if plan_json is not None:
+        plan = Plan.from_json(plan_json)
+    else:
+        plan = make_plan(model, case.mesh, fsdp=case.fsdp, sp=case.sp, checkpointing=case.checkpointing)
+    model = executor.apply(plan, model)
+    # eps 1e-6, not 1e-8: some gradients are mathematically zero (GPT-2's key bias:
+    # softmax ignores a per-query constant), and Adam would turn their rounding noise,
+    # which differs between any two summation orders, into full-size steps; lr 1e-3
+    # keeps that amplification of rounding noise in tiny gradients below 1e-5.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    losses, grads = [], {}
+    for x, y in data:
+        loss = loss_of(model, case, x, y)
+        loss.backward()
+        if not grads:  # Adam ignores a constant factor on gradients: compare them directly
+            grads = _full({n: p.grad for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "params": _full(dict(model.named_parameters()))}
+
+
+def _full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+            for n, t in tensors.items()}
+
+
+def train_all(cases: list[Case]) -> dict[str, Any]:
+    rank = torch.distributed.get_rank()
+    out = {}
+    for case in cases:
+        result = train(case)
+        out[case.name] = result if rank == 0 else None
+    return out
+
+
+def uneven_batch() -> str:
+    """A global batch the data-parallel ranks cannot split evenly."""
+    case = Case("mlp", {"dp": 4})
+    executor.rng.manual_seed(SEED)
+    model = build(case)
+    model = executor.apply(make_plan(model, case.mesh), model)
+    with pytest.raises(executor.BatchError) as e:
+        model(torch.zeros(6, 16))
+    return str(e.value)
+
+
+def spawn_world4(cases: list[Case], planned: dict[str, str]) -> dict[str, Any]:
+    rank = torch.distributed.get_rank()
+    by_planner = {name: train(PLANNED_CASE, plan) for name, plan in planned.items()}
+    return {"train": train_all(cases), "uneven": uneven_batch(),
+            "planned": by_planner if rank == 0 else None}
+
+
+CASES_4 = [
+    Case("llama", {"dp": 4}, dropout=0.1),
+    Case("llama", {"dp": 4}, fsdp=True, meta=True, dropout=0.1),
+    Case("llama", {"dp": 2, "tp": 2}, fsdp=True, sp=True, dropout=0.1, checkpointing="selective"),
+    Case("gpt2", {"dp": 2, "tp": 2}, dropout=0.1),
+    Case("gpt2", {"dp": 4}, fsdp=True, dropout=0.1, checkpointing="full"),
+    Case("mlp", {"dp": 2, "tp": 2}, fsdp=True, dropout=0.1),
+]
+CASES_2 = [
+    Case("llama", {"tp": 2}, dropout=0.1),
+    Case("llama", {"tp": 2}, sp=True, meta=True, dropout=0.1, checkpointing="full"),
+    Case("gpt2", {"tp": 2}, dropout=0.1),
+    Case("qwen2", {"tp": 2}, sp=True, dropout=0.1),
+    Case("mistral", {"tp": 2}, dropout=0.1),
+    Case("mlp", {"tp": 2}),
+]
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, Any]:
+    refs = {}
+    try:
+        for case in {c.reference().name: c.reference() for c in CASES_4 + CASES_2}.values():
+            refs[case.name] = train(case)
+    finally:
+        executor.rng.deactivate()  # leave other test modules with torch's own RNG
+    return refs
+
+
+PLANNED_CASE = Case("llama", dropout=0.1)
+# name -> (mesh, profile): 4 ranks with 2 KV heads (uneven head sharding) planned for
+# H100s; and the planner's own dp x tp choice for this machine's calibrated profile.
+PLANNER_MESHES = {"tp4": ({"tp": 4}, "h100-sxm-80g"),
+                  "dp2tp2": ({"dp": 2, "tp": 2}, "cpu-gloo-local")}
+
+
+@pytest.fixture(scope="module")
+def world4() -> dict[str, Any]:
+    planned = {}
+    for name, (mesh, profile) in PLANNER_MESHES.items():
+        plan = planner.plan("llama-tiny", devices=4, profile=profile, batch_size=BATCH,
+                            seq_len=SEQ, mesh=mesh)
+        plan.mesh.device_type = "cpu"  # the same plan, run on this machine's gloo ranks
+        planned[name] = plan.to_json()
+    return run_on_ranks(4, spawn_world4, CASES_4, planned)[0]
+
+
+@pytest.fixture(scope="module")
+def world2() -> dict[str, Any]:
+    return run_on_ranks(2, train_all, CASES_2)[0]
+
+
+def _assert_matches(result: dict[str, Any], ref: dict[str, Any]) -> None:
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]),
+                               rtol=1e-5, atol=0)
+    for kind in ("grads", "params"):
+        assert result[kind].keys() == ref[kind].keys()
+        for name, value in result[kind].items():
+            torch.testing.assert_close(value, ref[kind][name], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, name=name, kind=kind: f"{kind} of {name}: {m}")
+
+
+@pytest.mark.parametrize("case", CASES_4, ids=lambda c: c.name)
+def test_four_ranks_match_single_device(case: Case, world4: dict, references: dict) -> None:
+    _assert_matches(world4["train"][case.name], references[case.reference().name])
+
+
+@pytest.mark.parametrize("case", CASES_2, ids=lambda c: c.name)
+def test_two_ranks_match_single_device(case: Case, world2: dict, references: dict) -> None:
+    _assert_matches(world2[case.name], references[case.reference().name])
+
+
+@pytest.mark.parametrize("mesh", list(PLANNER_MESHES))
+def test_plans_from_the_planner_match_single_device(mesh: str, world4: dict, references: dict) -> None:
+    _assert_matches(world4["planned"][mesh], references[PLANNED_CASE.name])
+
+
+def test_dropout_is_on_in_the_reference(references: dict) -> None:
+    """The dropout cases really draw masks: the same loop without dropout differs."""
+    with_dropout = references[Case("llama", dropout=0.1).name]["losses"]
+    try:
+        without = train(Case("llama"))["losses"]
+    finally:
+        executor.rng.deactivate()
+    assert with_dropout != without
+
+
+def test_uneven_batch_is_refused(world4: dict) -> None:
+    assert "global batch 6 is not divisible by the data-parallel size 4" in world4["uneven"]
+
+
+# -- bad plans: refused before anything changes ---------------------------------------
+
+def _llama() -> nn.Module:
+    return build(Case("llama"))
+
+
+def _refused(plan: Any, model: nn.Module) -> str:
+    before = {n: p for n, p in model.named_parameters()}
+    with pytest.raises(executor.PlanError) as e:
+        executor.apply(plan, model)
+    after = dict(model.named_parameters())
+    assert all(after[n] is p and not isinstance(p, DTensor) for n, p in before.items())
+    return str(e.value)
+
+
+def test_plan_for_another_model_names_every_mismatch() -> None:
+    gpt2 = build(Case("gpt2"))
+    msg = _refused(make_plan(gpt2, {"dp": 1}), _llama())
+    assert "model.layers.*.self_attn.q_proj.weight: in the model, not in the plan" in msg
+    assert "transformer.h.*.attn.c_attn.weight: in the plan, not in the model" in msg
+
+
+def test_wrong_world_size() -> None:
+    model = _llama()
+    msg = _refused(make_plan(model, {"dp": 2}), model)
+    assert "devices: the plan is for 2 devices, no process group (plain single process) has 1" in msg
+
+
+def test_unknown_fqn() -> None:
+    model = _llama()
+    plan = make_plan(model, {"dp": 1})
+    plan.parameters.append(ParameterPlacement(fqn="model.layers.*.mlp.nope.weight", placements=["R"]))
+    assert "model.layers.*.mlp.nope.weight: matches no parameter of the model" in _refused(plan, model)
+
+
+def test_parameter_without_placement() -> None:
+    model = _llama()
+    plan = make_plan(model, {"dp": 1})
+    plan.parameters = [p for p in plan.parameters if p.fqn != "model.norm.weight"]
+    assert "model.norm.weight: no placement in the plan" in _refused(plan, model)
+
+
+def test_indivisible_shard() -> None:
+    model = _llama()
+    msg = _refused(make_plan(model, {"tp": 3}), model)
+    assert ("model.layers.0.self_attn.q_proj.weight: dim 0 of size 32 does not split evenly "
+            "into 3 tensor-parallel shards") in msg
+
+
+def test_replicated_parameter_on_a_fully_shard_dim() -> None:
+    model = _llama()
+    plan = make_plan(model, {"dp": 2}, fsdp=True)
+    plan.parameters[0].placements = ["R"]
+    fqn = plan.parameters[0].fqn.replace("*", "0")
+    assert f"{fqn}: R on fully_shard dim 'dp'; FSDP shards every parameter" in _refused(plan, model)
+
+
+def test_single_device_plan_without_process_group_is_the_plain_model() -> None:
+    model = _llama()
+    before = [p for p in model.parameters()]
+    assert executor.apply(make_plan(model, {"dp": 1}), model) is model
+    assert all(a is b for a, b in zip(before, model.parameters(), strict=True))
