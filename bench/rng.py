@@ -32,14 +32,22 @@ from executor import rng
 WORLD, RANK, P = 4, 1, 0.1
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up (allocator, lazy init, compilation)
-    samples = []
+def median_ms(*fns: Callable[[], object], repeats: int) -> list[float]:
+    """Median wall time of each ``fn``, run interleaved.
+
+    Interleaving puts every function under the same background load (the
+    machine is shared), so the ratios stay meaningful when the absolute
+    times drift.
+    """
+    for fn in fns:
+        fn()  # warm-up (allocator, lazy init, compilation)
+    samples: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+        for fn, times in zip(fns, samples, strict=True):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return [statistics.median(times) * 1e3 for times in samples]
 
 
 def peak_extra_rss(fn: Callable[[], object]) -> int:
@@ -80,10 +88,6 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    try:  # glibc: M_MMAP_THRESHOLD (-3) fixed at 64 KiB, see peak_extra_rss
-        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
-    except OSError:
-        print("note: not glibc; the RSS figures may under-report (freed memory is reused)")
     dist.init_process_group("fake", rank=RANK, world_size=WORLD, store=FakeStore())
     mesh = init_device_mesh("cpu", (WORLD,))
     shape = (args.rows, args.cols)
@@ -115,8 +119,9 @@ def main() -> None:
         header += f" {'compiled ms':>12} {'x native':>9} {'same bits':>10}"
     print(header)
     for name, x in layouts.items():
-        t_native = median_ms(lambda x=x: native(x), args.repeats)
-        t_eager = median_ms(lambda x=x: ours(x), args.repeats)
+        t_native, t_eager = median_ms(
+            lambda x=x: native(x), lambda x=x: ours(x), repeats=args.repeats
+        )
         row = f"{name:<10} {t_native:>10.1f} {t_eager:>10.1f} {t_eager / t_native:>9.1f}"
         if not args.no_compiled:
             state = rng.get_state()
@@ -124,11 +129,18 @@ def main() -> None:
             rng.use_compiled_generator(True)
             rng.set_state(state)
             same = torch.equal(ours(x), eager_out)
-            t_compiled = median_ms(lambda x=x: ours(x), args.repeats)
+            (t_compiled,) = median_ms(lambda x=x: ours(x), repeats=args.repeats)
             rng.use_compiled_generator(False)
             row += f" {t_compiled:>12.1f} {t_compiled / t_native:>9.1f} {str(same):>10}"
         print(row)
 
+    # Only now: pinning glibc's mmap threshold makes every large temporary a
+    # fresh mapping, which the RSS sampling needs but which would slow the
+    # timings above with page faults that a normal run does not have.
+    try:  # glibc: M_MMAP_THRESHOLD (-3) fixed at 64 KiB, see peak_extra_rss
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)
+    except OSError:
+        print("note: not glibc; the RSS figures may under-report (freed memory is reused)")
     print()
     print(f"{'peak extra RSS while drawing':<34} {'MiB':>8} {'x local':>8} {'x global':>9}")
     local_bytes = global_bytes / WORLD
@@ -143,9 +155,16 @@ def main() -> None:
         )
 
     a, b = torch.randn(64, 64), torch.randn(64, 64)
-    with_mode = median_ms(lambda: [a + b for _ in range(1000)], args.repeats)
-    with rng.suspended():
-        without = median_ms(lambda: [a + b for _ in range(1000)], args.repeats)
+
+    def adds() -> None:
+        for _ in range(1000):
+            a + b
+
+    def adds_suspended() -> None:
+        with rng.suspended():
+            adds()
+
+    with_mode, without = median_ms(adds, adds_suspended, repeats=args.repeats)
     print()
     print(
         f"interception cost on a non-random op (64x64 add): {with_mode - without:.2f} us per op "

@@ -59,38 +59,58 @@ Word = torch.Tensor | int  # 32-bit unsigned values held in int64 tensors or Pyt
 
 
 def _mulhilo(a: Word, m: int) -> tuple[Word, Word]:
-    """High and low 32-bit halves of the 64-bit product ``a * m``.
+    """High and low 32-bit halves of the product ``a * m`` of two 32-bit values.
 
-    The product of two 32-bit values needs 64 unsigned bits; torch's int64 is
-    signed and unsigned 64-bit multiplies are not implemented on every device,
-    and relying on signed wrap-around is undefined behaviour in C++.  Splitting
-    ``a`` into 16-bit halves keeps every partial product below 2**48, so the
-    whole computation is exact in int64 (and in Python ints, used for the
-    parts of the counter that are the same for every element).
+    Tensors take ONE int64 multiply.  The product needs 64 unsigned bits and
+    may exceed 2**63 - 1, but torch's int64 ``*`` wraps modulo 2**64 (two's
+    complement: the CPU and CUDA multiply instructions, and the kernels
+    torch.compile emits), so the result holds every bit of the product.  The
+    halves are returned *unmasked*: ``p >> 32`` is the high half with copies
+    of the sign bit above bit 31, and ``p`` is the low half with the high
+    half above it.  :func:`_mix` masks once after its xors, which saves two of
+    the ten kernels a round needs.  tests/test_rng.py checks the wrap-around
+    against exact Python-int products on the extreme values, so a platform
+    that broke it would fail there rather than silently change the stream.
+    (The previous formulation split ``a`` into 16-bit halves to stay below
+    2**63: exact without wrap-around, but eight kernels per product.)
     """
-    if isinstance(a, int):
-        big, small = (a >> 16) * m, (a & 0xFFFF) * m
-        return (big + (small >> 16)) >> 16, (((big & 0xFFFF) << 16) + small) & _M32
-    # Same formula, in place on fresh temporaries: allocation dominates on CPU.
-    big = (a >> 16).mul_(m)
-    small = (a & 0xFFFF).mul_(m)
-    hi = (small >> 16).add_(big).bitwise_right_shift_(16)
-    lo = big.bitwise_and_(0xFFFF).bitwise_left_shift_(16).add_(small).bitwise_and_(_M32)
-    return hi, lo
+    p = a * m
+    return p >> 32, p if isinstance(p, torch.Tensor) else p & _M32
 
 
-def _xor3(a: Word, b: Word, c: Word) -> Word:
-    if isinstance(a, torch.Tensor):
-        return a.bitwise_xor_(b).bitwise_xor_(c)  # ``a`` is a fresh temporary
-    return a ^ b ^ c
+def _mix(hi: Word, word: Word, key: Word) -> Word:
+    """``(hi ^ word ^ key) & 0xFFFFFFFF`` in as few kernels as the operand types allow.
+
+    Python ints (the counter words that are the same for every element, and
+    the key) fold into one scalar first.  ``hi``, when a tensor, is a fresh
+    shift result and is updated in place; ``word`` may be the caller's
+    counter, so it is only read.  Only the low 32 bits of tensor operands
+    matter: the final mask clears whatever :func:`_mulhilo` left above them.
+    """
+    scalar, tensors = 0, []
+    for operand in (hi, word, key):
+        if isinstance(operand, int):
+            scalar ^= operand
+        else:
+            tensors.append(operand)
+    if not tensors:
+        return scalar & _M32
+    acc = tensors[0] if tensors[0] is hi else tensors[0] ^ scalar
+    if acc is hi and scalar:
+        acc.bitwise_xor_(scalar)
+    for operand in tensors[1:]:
+        acc.bitwise_xor_(operand)
+    return acc.bitwise_and_(_M32)
 
 
 def philox4x32(counter: Sequence[Word], key: Sequence[Word]) -> tuple[Word, Word, Word, Word]:
     """Philox4x32-10 block function: four 32-bit words per 128-bit counter.
 
-    Counter words may be int64 tensors (values in ``[0, 2**32)``) or Python
-    ints; the key is two Python ints or 0-d tensors.  Matches the Random123 known-answer
-    vectors (see tests/test_rng.py).
+    Counter words may be int64 tensors (values in ``[0, 2**32)``, all of one
+    shape) or Python ints; the key is two Python ints or 0-d tensors.  Words
+    that are ints stay ints until a tensor reaches them (with the counter
+    ``(block, 0, op, 0)`` the first two rounds are half scalar work).
+    Matches the Random123 known-answer vectors (see tests/test_rng.py).
     """
     c0, c1, c2, c3 = counter
     k0, k1 = key[0] & _M32, key[1] & _M32
@@ -100,8 +120,9 @@ def philox4x32(counter: Sequence[Word], key: Sequence[Word]) -> tuple[Word, Word
             k1 = (k1 + _PHILOX_BUMP[1]) & _M32
         hi0, lo0 = _mulhilo(c0, _PHILOX_MUL[0])
         hi1, lo1 = _mulhilo(c2, _PHILOX_MUL[1])
-        c0, c1, c2, c3 = _xor3(hi1, c1, k0), lo1, _xor3(hi0, c3, k1), lo0
-    return c0, c1, c2, c3
+        c0, c1, c2, c3 = _mix(hi1, c1, k0), lo1, _mix(hi0, c3, k1), lo0
+    # c1 and c3 are raw products (see _mulhilo); c0 and c2 are already masked.
+    return c0, c1 & _M32, c2, c3 & _M32
 
 
 @dataclass(frozen=True)
@@ -176,6 +197,16 @@ def _words(seed: int, op: int, where: _Indices, per: int) -> torch.Tensor:
         skip = where.start - first * lanes
         return words.reshape(-1, per)[skip : skip + where.count]
     if where.rows is not None and where.run >= 4 * lanes:
+        residue = where.rows % lanes
+        first = int(residue[0])
+        if bool((residue == first).all()):
+            # Every row starts on the same lane (the usual case: shard sizes are
+            # multiples of 4): a grid of exactly the blocks the rows cover, sliced,
+            # with no index tensor; a plain view when rows start on lane 0.
+            span = (first + where.run + lanes - 1) // lanes
+            blocks = ((where.rows // lanes).unsqueeze(-1) + arange(span)).reshape(-1)
+            grid = _philox(seed, op, blocks).view(len(where.rows), span * lanes, per)
+            return grid[:, first : first + where.run].reshape(-1, per)
         # Long rows: a (rows x blocks-per-row) grid of blocks, at most one spare block per row.
         span = (where.run + lanes - 1) // lanes + 1
         words = _philox(seed, op, ((where.rows // lanes).unsqueeze(-1) + arange(span)).reshape(-1))
@@ -192,7 +223,12 @@ def _philox(seed: int, op: int, blocks: torch.Tensor) -> torch.Tensor:
     """``(len(blocks), 4)`` words, from the compiled kernel when it is switched on."""
     key = (seed & _M32, seed >> 32)
     if _COMPILED["fn"] is None:
-        return _philox_blocks(blocks, key[0], key[1], op & _M32, op >> 32)
+        # Words equal for every element stay Python ints, which saves most of the
+        # first two rounds (see philox4x32); the block's high word is 0 below
+        # 2**32 blocks (16 Gi elements), checked here rather than assumed.
+        high = blocks >> 32 if blocks.numel() and int(blocks.max()) >> 32 else 0
+        words = philox4x32((blocks & _M32, high, op & _M32, op >> 32), key)
+        return torch.stack(words, dim=-1)
     as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=blocks.device)
     return _COMPILED["fn"](
         blocks, as_tensor(key[0]), as_tensor(key[1]), as_tensor(op & _M32), as_tensor(op >> 32)
@@ -202,7 +238,11 @@ def _philox(seed: int, op: int, blocks: torch.Tensor) -> torch.Tensor:
 def _philox_blocks(
     blocks: torch.Tensor, k0: Word, k1: Word, op_lo: Word, op_hi: Word
 ) -> torch.Tensor:
-    """``(len(blocks), 4)`` words for counters ``(block, op)`` under key ``(k0, k1)``."""
+    """``(len(blocks), 4)`` words for counters ``(block, op)`` under key ``(k0, k1)``.
+
+    The compiled form: every argument is a tensor, so one kernel serves every
+    seed and op (the eager path in :func:`_philox` keeps scalars as ints).
+    """
     zero = torch.zeros_like(blocks)
     out = philox4x32((blocks & _M32, blocks >> 32, zero + op_lo, zero + op_hi), (k0, k1))
     return torch.stack(out, dim=-1)
@@ -308,7 +348,8 @@ def _bernoulli_keep(seed: int, op: int, where: _Indices, prob: float) -> torch.T
     ``u < prob`` for ``u = m / 2**24`` is exactly ``m < ceil(prob * 2**24)``.
     """
     threshold = math.ceil(prob * 2.0**24)
-    return (_words(seed, op, where, 1)[:, 0] >> 8) < threshold
+    # m = word >> 8, and m < t exactly when word < t * 2**8: one compare, no shift.
+    return _words(seed, op, where, 1)[:, 0] < threshold << 8
 
 
 def _randint_values(seed: int, op: int, where: _Indices, low: int, high: int) -> torch.Tensor:
@@ -513,31 +554,48 @@ def _rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 Sampler = Callable[[int, int, _Indices], torch.Tensor]
 
-_DRAW_CHUNK = 1 << 18  # elements per generation pass: bounds the int64 scratch (~8 MiB)
+# Elements per generation pass on CPU.  Eager Philox is ~100 elementwise
+# kernels per pass; torch splits a kernel of GRAIN_SIZE (32768) elements or
+# more across its OpenMP threads, and every such kernel ends in a barrier.
+# On a busy machine (or with several ranks per host) a barrier waits for a
+# descheduled thread, costing milliseconds per kernel: measured 10-20x slower
+# than keeping each pass's kernels (8192 Philox blocks for dropout) below
+# GRAIN_SIZE, where they run serially and stay in L2 (bench/rng.py).
+_DRAW_CHUNK = 1 << 15
+# Accelerators have no such barrier but pay a launch per kernel: large passes.
+_DRAW_CHUNK_ACCELERATOR = 1 << 22
 
 
 def _draw(sampler: Sampler, seed: int, op: int, where: _Indices) -> torch.Tensor:
     """``sampler`` over ``where`` in chunks, so temporaries never scale with the shard.
 
-    Philox needs about 16 bytes of int64 scratch per element; chunking keeps
-    that at a few tens of MB whatever the shard size (and in cache).
+    Philox needs about 16 bytes of int64 scratch per element; chunking bounds
+    that whatever the shard size (see _DRAW_CHUNK for the CPU size).
     """
-    if where.count <= _DRAW_CHUNK:
+    chunk = _DRAW_CHUNK if where.device.type == "cpu" else _DRAW_CHUNK_ACCELERATOR
+    if where.count <= chunk:
         return sampler(seed, op, where)
-    return torch.cat([sampler(seed, op, part) for part in where.split(_DRAW_CHUNK)])
+    return torch.cat([sampler(seed, op, part) for part in where.split(chunk)])
 
 
 def _keep_sampler(prob: float) -> Sampler:
     return lambda seed, op, where: _bernoulli_keep(seed, op, where, prob)
 
 
-def _sample_into(t: torch.Tensor, sampler: Sampler, op_name: str) -> torch.Tensor:
+Finish = Callable[[torch.Tensor], torch.Tensor]  # applied to the whole local shard after the draw
+
+
+def _sample_into(
+    t: torch.Tensor, sampler: Sampler, op_name: str, finish: Finish | None = None
+) -> torch.Tensor:
     """In-place fill of ``t`` (plain, meta or DTensor) with one op's values."""
     seed, op = _next_op()
     if t.device.type == "meta":
         return t
     where, local_shape = _layout(t, op_name)
     values = _draw(sampler, seed, op, where).view(local_shape)
+    if finish is not None:
+        values = finish(values)
     return t.copy_(_rewrap(t, values))
 
 
@@ -548,6 +606,7 @@ def _sample_new(
     device: torch.device,
     sampler: Sampler,
     op_name: str,
+    finish: Finish | None = None,
 ) -> torch.Tensor:
     """New tensor (with ``like``'s layout when given) holding one op's values."""
     seed, op = _next_op()
@@ -558,7 +617,10 @@ def _sample_new(
     else:
         where, local_shape = _layout(like, op_name)
         where = where.to(device)
-    values = _draw(sampler, seed, op, where).view(local_shape).to(dtype)
+    values = _draw(sampler, seed, op, where).view(local_shape)
+    if finish is not None:
+        values = finish(values)
+    values = values.to(dtype)
     return values if like is None else _rewrap(like, values)
 
 
@@ -602,16 +664,16 @@ def dropout(
     return _rewrap(input, local * mask)
 
 
-def _bernoulli_values(probs: torch.Tensor | float, dtype: torch.dtype) -> Sampler:
+def _bernoulli_values(probs: torch.Tensor | float, dtype: torch.dtype) -> tuple[Sampler, Finish]:
+    """Sampler for a Bernoulli draw and the map from its values to the 0/1 result.
+
+    Tensor probabilities (aligned with the local shard) are compared after the
+    draw, on the whole shard: the sampler sees one chunk at a time (_draw) and
+    does not know where in the shard that chunk lies.
+    """
     if not isinstance(probs, torch.Tensor):
-        keep = _keep_sampler(float(probs))
-        return lambda seed, op, where: keep(seed, op, where).to(dtype)
-
-    def sample(seed: int, op: int, where: _Indices) -> torch.Tensor:
-        u = _draw(_uniform_sampler(0.0, 1.0, torch.float32), seed, op, where)
-        return (u < probs.reshape(-1)).to(dtype)
-
-    return sample
+        return _keep_sampler(float(probs)), lambda keep: keep.to(dtype)
+    return _uniform_sampler(0.0, 1.0, torch.float32), lambda u: (u < probs).to(dtype)
 
 
 def _local_probs(p: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor | float:
@@ -830,16 +892,17 @@ def _normal_(
 def _bernoulli_(
     t: torch.Tensor, p: torch.Tensor | float = 0.5, *, generator: Any = None
 ) -> torch.Tensor:
-    return _sample_into(t, _bernoulli_values(_local_probs(p, t), t.dtype), "bernoulli_")
+    sampler, finish = _bernoulli_values(_local_probs(p, t), t.dtype)
+    return _sample_into(t, sampler, "bernoulli_", finish)
 
 
 def _bernoulli(
     input: torch.Tensor, p: float | None = None, *, generator: Any = None, out: Any = None
 ) -> torch.Tensor:
     probs = input if p is None else p
-    sampler = _bernoulli_values(_local_probs(probs, input), input.dtype)
+    sampler, finish = _bernoulli_values(_local_probs(probs, input), input.dtype)
     result = _sample_new(
-        input, input.shape, input.dtype, _local_device(input), sampler, "bernoulli"
+        input, input.shape, input.dtype, _local_device(input), sampler, "bernoulli", finish
     )
     return _finish(result, out, False)
 

@@ -139,6 +139,16 @@ def _truncated(config: PretrainedConfig, layers: int) -> PretrainedConfig:
     return small
 
 
+def _param_behind_views(arg: fx.Node, sig: Any, param_of: Mapping[str, str]) -> str | None:
+    """The parameter an argument is, directly or through views (MoE experts arrive
+    transposed), so its memory and placement are charged to the op that uses it."""
+    while arg.op == "call_function" and _short(_op_name(arg)) in _VIEW_OPS and arg.args:
+        if not isinstance(arg.args[0], fx.Node):
+            return None
+        arg = arg.args[0]
+    return param_of[arg.name] if arg.name in sig.inputs_to_parameters else None
+
+
 def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
                 aliases: Mapping[str, str] | None = None) -> nx.DiGraph:
     """The export graph as a networkx DiGraph with per-node costs (see module doc).
@@ -181,8 +191,8 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
             nbytes = float(sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs))
             if fwd == 0.0 and short != "embedding":
                 fwd = float(sum(t.numel() for t in outs))  # one FLOP per output element
-        params = {i: param_of[a.name] for i, a in enumerate(node.args)
-                  if isinstance(a, fx.Node) and a.name in sig.inputs_to_parameters}
+        params = {i: fqn for i, a in enumerate(node.args)
+                  if isinstance(a, fx.Node) and (fqn := _param_behind_views(a, sig, param_of))}
         graph.add_node(
             node.name, kind="call_function", op=op, short=short,
             in_shapes=[tuple(t.shape) for t in ins], in_nodes=in_nodes,

@@ -7,7 +7,9 @@ compares each shard bitwise against the single-process reference.
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 import threading
 from collections.abc import Callable, Iterator
 
@@ -292,6 +294,65 @@ def test_philox_known_answers() -> None:
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def _mulhilo_by_16_bit_halves(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The formulation _mulhilo replaced: no partial product reaches 2**63, so no wrap-around."""
+    big, small = (a >> 16) * m, (a & 0xFFFF) * m
+    return (big + (small >> 16)) >> 16, (((big & 0xFFFF) << 16) + small) & 0xFFFFFFFF
+
+
+def test_single_multiply_mulhilo_is_exact() -> None:
+    """_mulhilo's one int64 multiply relies on torch wrapping modulo 2**64: check it on the extremes."""
+    edges = [0, 1, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0x80000001, 0xFFFFFFFE, 0xFFFFFFFF]
+    draws = random.Random(0).choices(range(2**32), k=2000)
+    for m in (0xD2511F53, 0xCD9E8D57):
+        values = edges + [m, m ^ 0xFFFFFFFF] + draws
+        assert any(v * m >= 2**63 for v in values)  # the products do pass int64's range
+        a = torch.tensor(values, dtype=torch.int64, device=DEVICES[-1])
+        hi, lo = rng._mulhilo(a, m)
+        hi, lo = (hi & 0xFFFFFFFF).tolist(), (lo & 0xFFFFFFFF).tolist()
+        assert hi == [v * m >> 32 for v in values]
+        assert lo == [v * m & 0xFFFFFFFF for v in values]
+        old_hi, old_lo = _mulhilo_by_16_bit_halves(a, m)
+        assert (hi, lo) == (old_hi.tolist(), old_lo.tolist())
+        assert [rng._mulhilo(v, m) for v in edges] == [
+            (v * m >> 32, v * m & 0xFFFFFFFF) for v in edges
+        ]
+
+
+def test_philox_mixes_scalar_and_tensor_words() -> None:
+    """Counter words that are the same for every element stay ints: every int/tensor mix agrees."""
+    counters = [(5, 0, 7, 0), (0xFFFFFFFF, 3, 0x80000000, 1), (123456, 0xFFFFFFFF, 0, 0xFFFFFFFF)]
+    scalars = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)
+    key = (0xA4093822, 0x299F31D0)
+    for as_tensor in itertools.product((False, True), repeat=4):
+        if not any(as_tensor):
+            continue
+        columns = [
+            torch.tensor([c[j] for c in counters]) if as_tensor[j] else scalars[j] for j in range(4)
+        ]
+        got = [
+            w.tolist() if isinstance(w, torch.Tensor) else [w] * len(counters)
+            for w in rng.philox4x32(columns, key)
+        ]
+        for j, column in enumerate(columns):  # the caller's counter tensors are only read
+            if as_tensor[j]:
+                assert column.tolist() == [c[j] for c in counters]
+        for i, c in enumerate(counters):
+            counter = [c[j] if as_tensor[j] else scalars[j] for j in range(4)]
+            assert tuple(w[i] for w in got) == rng.philox4x32(counter, key), as_tensor
+    # The eager block path (int high word below 2**32 blocks, a tensor above) matches too.
+    blocks = torch.tensor([0, 1, 2**32 - 1, 2**32, 2**40 + 5])
+    got = rng._philox(2**40 + 9, 2**33 + 3, blocks).tolist()
+    key = ((2**40 + 9) & 0xFFFFFFFF, (2**40 + 9) >> 32)
+    op = ((2**33 + 3) & 0xFFFFFFFF, (2**33 + 3) >> 32)
+    assert got == [
+        list(rng.philox4x32((b & 0xFFFFFFFF, b >> 32, *op), key)) for b in blocks.tolist()
+    ]
+    assert rng._philox(1, 2, blocks[:2]).tolist() == [
+        list(rng.philox4x32((b, 0, 2, 0), (1, 0))) for b in (0, 1)
+    ]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_reproducible_and_counter_advances(device: str) -> None:
     def draw() -> list[torch.Tensor]:
@@ -341,8 +402,10 @@ def test_values_depend_only_on_global_index() -> None:
             sampler(_Indices(0, len(picks), full.device, explicit=picks)), everything[picks]
         )
         assert torch.equal(sampler(_Indices(333, 101, full.device)), everything[333:434])
-        for run in (3, 10, 17):  # short rows take the per-element path, long ones the grid
-            runs = _Indices(0, 3 * run, full.device, rows=torch.tensor([5, 30, 64]), run=run)
+        # Short rows take the per-element path, long ones a grid: sliced when every
+        # row starts on the same Philox lane, gathered when they differ.
+        for run, starts in itertools.product((3, 10, 17), ([5, 30, 64], [4, 28, 64], [7, 31, 71])):
+            runs = _Indices(0, 3 * run, full.device, rows=torch.tensor(starts), run=run)
             assert torch.equal(sampler(runs), everything[runs.index])
             pieces = [sampler(part) for part in runs.split(run + 1)]  # one row per piece
             assert len(pieces) == 3 and torch.equal(torch.cat(pieces), everything[runs.index])
