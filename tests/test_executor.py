@@ -182,10 +182,8 @@ def references() -> dict[str, Any]:
 
 
 PLANNED_CASE = Case("llama", dropout=0.1)
-# name -> (mesh, profile): 4 ranks with 2 KV heads (uneven head sharding) planned for
-# H100s; and the planner's own dp x tp choice for this machine's calibrated profile.
-PLANNER_MESHES = {"tp4": ({"tp": 4}, "h100-sxm-80g"),
-                  "dp2tp2": ({"dp": 2, "tp": 2}, "cpu-gloo-local")}
+# name -> (mesh, profile): 4 ranks with 2 KV heads (uneven head sharding) planned for H100s.
+PLANNER_MESHES = {"tp4": ({"tp": 4}, "h100-sxm-80g")}
 
 
 @pytest.fixture(scope="module")
