@@ -227,7 +227,7 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
             micro = [fixed["microbatches"]] if fixed else [
                 m for m in (1, 2, 4, 8, 16, 32, 64, 128) if (batch // dp) % m == 0 and m >= pp]
             if pp > 1 and not fixed:
-                micro = micro[:1] + [m for m in micro[1:] if m <= 4 * pp]  # more shrinks the bubble
+                micro = micro[:2]  # the fewest that keep every stage busy, and twice that
             found = None
             for ckpt in ckpts:
                 for m in micro:
