@@ -501,8 +501,7 @@ def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 
                 "col" if not unit.choices or not unit.choices[0].weights else "rep")
             unit.choices = [c for c in unit.choices if c.name == want]
         else:
-            reduces = any(c.name == "H" for c in unit.choices) is False
-            if reduces:  # norms and residual stream: sequence parallel or replicated
+            if not any(c.name == "H" for c in unit.choices):  # norms, residual stream: SP or replicated
                 unit.choices = [c for c in unit.choices if c.name == ("Q" if sp else "R")]
 
     fixed = {"fsdp": fsdp, "checkpointing": checkpointing, "microbatches": microbatches,
