@@ -159,9 +159,17 @@ def cmd_show(args: argparse.Namespace) -> None:
 def cmd_profiles(_args: argparse.Namespace) -> None:
     shipped = _require("cost_model.profile", "shipped_profiles")
     load = _require("cost_model.profile", "load_profile")
+    # One line per profile with the figures that decide plans; the provenance is in each
+    # profile's `source` (GET /v1/profiles/{name}, or the JSON under profiles/).
+    print(f"{'name':24} {'device':6} {'memory':>9}  {'peak':20}  network (devices @ all-reduce busbw)")
     for name in shipped():
         prof = load(name)
-        print(f"{name:24} {prof.device_type:5} {prof.memory_bytes / 2**30:7.1f} GiB  {prof.source}")
+        dtype = "bf16" if "bf16" in prof.peak_flops else max(prof.peak_flops, key=prof.peak_flops.get)
+        peak = prof.peak_flops[dtype]
+        levels = ", ".join(f"{lv.name} {lv.devices or 'any'} @ {lv.busbw.all_reduce / 1e9:.3g} GB/s"
+                           for lv in prof.levels)
+        print(f"{name:24} {prof.device_type:6} {prof.memory_bytes / 2**30:5.1f} GiB "
+              f"{peak / 1e12:6.4g} TFLOP/s {dtype:5}  {levels}")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:

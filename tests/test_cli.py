@@ -84,8 +84,10 @@ def test_profiles_lists_the_shipped_ones(capsys: pytest.CaptureFixture[str]) -> 
     from cost_model.profile import shipped_profiles
 
     assert main(["profiles"]) == 0
-    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert names == shipped_profiles()
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert header.split()[:4] == ["name", "device", "memory", "peak"]
+    assert [row.split()[0] for row in rows] == shipped_profiles()
+    assert all(len(row) < 160 for row in rows), "one short line per profile"
 
 
 def test_parse_mesh() -> None:
