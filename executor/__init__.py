@@ -1,9 +1,11 @@
 """Run a meshplan plan: ``apply`` shards a model, ``rng`` makes randomness sharding-independent,
-``save``/``load`` checkpoint it under any plan."""
+``save``/``load`` checkpoint it under any plan; a pipeline plan runs its schedule in
+the model's forward (executor.pipeline)."""
 
 from executor import rng
 from executor.apply import PlanError, apply
 from executor.checkpoint import CheckpointError, load, save
 from executor.data import BatchError
+from executor.pipeline import PipelineError
 
-__all__ = ["apply", "save", "load", "rng", "PlanError", "BatchError", "CheckpointError"]
+__all__ = ["apply", "save", "load", "rng", "PlanError", "BatchError", "CheckpointError", "PipelineError"]

@@ -14,6 +14,8 @@ How the plan is realised (see docs/executor.md for the user-facing rules):
   ``modules`` layouts redistribute a module's first tensor input / output at its
   boundary (sequence parallel, or where the planner wants the resharding); at the
   root, outputs become plain full tensors again.
+* A plan with ``pipeline`` stages is cut into stages (executor.pipeline) once the
+  parameters are placed; each stage then gets the hooks, recomputation and FSDP above.
 * Everything is checked before anything is changed, so a bad plan leaves the model
   as it was.
 """
@@ -36,10 +38,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication, register_sharding
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import SUPPORTED_NODES, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from executor import deferred_init, rng
+from executor import deferred_init, pipeline, rng
 from executor.data import DataParallelBatch
 from planner.schema import Fingerprint, ModuleLayout, Plan, pattern_matches, shard_dim
 
@@ -61,6 +63,8 @@ class _Layout:
     replicate: str | None = None  # data-parallel dim in replicate mode
     shard: str | None = None  # data-parallel dim in fully_shard mode
     model: tuple[str, ...] = ()  # every other dim: tensor/sequence parallel
+    pipeline: str | None = None  # the pipeline dim: stages over it, nothing sharded on it
+    cuts: pipeline.Cuts | None = None  # the checked stage cut of a pipeline plan
     placements: dict[str, list[str]] = field(default_factory=dict)  # fqn -> plan placements
 
     @property
@@ -87,9 +91,14 @@ def apply(plan: Plan, model: nn.Module) -> nn.Module:
         _materialize(model, model_mesh, layout, plan.mesh.names)
     if model_mesh is not None:
         _distribute_parameters(model, model_mesh, layout, plan.mesh.names)
-        _register_activation_hooks(model, model_mesh, plan, layout.model)
+        if layout.cuts is None:  # a pipeline hooks each stage instead (_prepare_stage)
+            _register_activation_hooks(model, model_mesh, plan, layout.model)
     batch = (DataParallelBatch(mesh, layout.data, layout.model if model_mesh is not None else ())
              if _size(mesh, layout.data) > 1 else None)
+    if layout.cuts is not None:
+        return pipeline.pipelined(model, plan, layout.cuts, mesh, batch,
+                                  partial(_prepare_stage, plan=plan, mesh=mesh, model_mesh=model_mesh,
+                                          layout=layout))
     _register_root_hooks(model, batch, model_mesh is not None)
     _checkpoint_activations(model, plan, batch)
     if layout.data:
@@ -108,8 +117,6 @@ def _check(plan: Plan, model: nn.Module, world: int) -> _Layout:
         problems.append(f"devices: the plan is for {plan.devices} devices, {where} has {world}")
     if plan.devices > 1 and plan.mesh.device_type == "cuda" and not torch.cuda.is_available():
         problems.append("mesh.device_type: the plan is for cuda, but CUDA is not available here")
-    if plan.pipeline is not None:
-        problems.append("pipeline: plans with pipeline stages are not run by executor.apply")
     layout = _mesh_roles(plan, problems)
     problems += _unmatched_patterns(plan, model)
     names = plan.mesh.names
@@ -120,6 +127,9 @@ def _check(plan: Plan, model: nn.Module, world: int) -> _Layout:
             continue
         layout.placements[fqn] = pl
         problems += _placement_problems(fqn, tuple(p.shape), pl, names, plan.mesh.shape, layout)
+    if plan.pipeline is not None:  # its dry run needs a model that fits the plan
+        layout.cuts, found = pipeline.check(plan, model, dry_run=not problems)
+        problems += found
     if problems:
         raise PlanError("plan does not fit the model:\n  " + "\n  ".join(problems))
     return layout
@@ -133,7 +143,8 @@ def _mesh_roles(plan: Plan, problems: list[str]) -> _Layout:
         if getattr(layout, role) is not None:
             problems.append(f"data_parallel: more than one {d.mode} dim ({getattr(layout, role)}, {d.dim})")
         setattr(layout, role, d.dim)
-    layout.model = tuple(n for n in names if n not in layout.data)
+    layout.pipeline = plan.pipeline.dim if plan.pipeline is not None else None
+    layout.model = tuple(n for n in names if n not in layout.data and n != layout.pipeline)
     order = [names.index(d) for d in layout.data]
     if order != sorted(order) or (layout.model and order and max(order) > names.index(layout.model[0])):
         problems.append(
@@ -165,6 +176,8 @@ def _placement_problems(fqn: str, shape: tuple[int, ...], pl: list[str], names: 
             out.append(f"{fqn}: {p} on replicate data-parallel dim {name!r}; only R is possible there")
         elif name == layout.shard and d is None:
             out.append(f"{fqn}: {p} on fully_shard dim {name!r}; FSDP shards every parameter, write S(d)")
+        elif name == layout.pipeline and p != "R":
+            out.append(f"{fqn}: {p} on pipeline dim {name!r}; a stage holds whole parameters, write R")
         elif name in layout.model and d is not None:
             split[d] *= size
     for d, pieces in enumerate(split):
@@ -262,7 +275,11 @@ def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,
     def as_dtensor(t: torch.Tensor) -> torch.Tensor:
         return t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, replicate, run_check=False)
 
-    def to_dtensors(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def to_dtensors(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        # Runs before every module that holds parameters; most calls carry no plain
+        # tensor, and then pytree's rebuild of the arguments is skipped.
+        if not _has_plain_tensor((*args, *kwargs.values())):
+            return None
         return tree_map_only(torch.Tensor, as_dtensor, (args, kwargs))
 
     def resolve_partial(t: DTensor) -> DTensor:
@@ -273,16 +290,37 @@ def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,
     def no_partial_outputs(module: nn.Module, args: tuple, out: Any) -> Any:
         # A pending sum leaving a module would be reduced wherever DTensor next needs
         # it, possibly after all-gathering weights; reduce it here, at the boundary.
+        if isinstance(out, DTensor):
+            return resolve_partial(out)
         return tree_map_only(DTensor, resolve_partial, out)
 
     for name, module in model.named_modules():
+        layout = plan.layout_for(name)
+        if layout is not None:  # first: a Partial output goes straight to the layout's
+            # placement (Partial -> Shard is one reduce-scatter; via Replicate it would be
+            # an all-reduce of twice the bytes and a slice)
+            _register_layout_hooks(module, mesh, layout, as_dtensor,
+                                   lambda spec: _model_placements(spec, plan.mesh.names, model_dims))
         if any(True for _ in module.parameters()):
             module.register_forward_pre_hook(to_dtensors, with_kwargs=True)
             module.register_forward_hook(no_partial_outputs)
-        layout = plan.layout_for(name)
-        if layout is not None:
-            _register_layout_hooks(module, mesh, layout, as_dtensor,
-                                   lambda spec: _model_placements(spec, plan.mesh.names, model_dims))
+
+
+def _has_plain_tensor(values: Iterable[Any]) -> bool:
+    """Whether pytree would find a tensor that is not a DTensor among ``values``.  Plain
+    tuples and lists are searched here; any other container pytree walks (dicts, named
+    tuples, registered classes such as model outputs) answers yes and is left to pytree.
+    Hand-written because pytree flattens and rebuilds the arguments on every call."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if not isinstance(v, DTensor):
+                return True
+        elif type(v) in (tuple, list):
+            if _has_plain_tensor(v):
+                return True
+        elif isinstance(v, tuple) or type(v) in SUPPORTED_NODES:
+            return True
+    return False
 
 
 def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLayout,
@@ -344,7 +382,10 @@ def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tens
 # -- data parallel and activation checkpointing -------------------------------------------
 
 def _fully_shard(model: nn.Module, mesh: DeviceMesh, layout: _Layout, names: tuple[str, ...]) -> None:
-    """FSDP2 per repeated block (a ModuleList entry), then the root, as torch recommends."""
+    """FSDP2 per repeated block (a ModuleList entry), then the root, as torch recommends.
+
+    The last block keeps its parameters gathered after forward (TorchTitan's default
+    too): backward starts with it, so resharding would only all-gather them again."""
     dp_mesh = mesh[layout.data] if len(layout.data) > 1 else mesh[layout.data[0]]
     fqn_of = {id(p): n for n, p in model.named_parameters()}
     shard_at = names.index(layout.shard) if layout.shard in names else None
@@ -354,9 +395,24 @@ def _fully_shard(model: nn.Module, mesh: DeviceMesh, layout: _Layout, names: tup
             return Shard(0)
         return Shard(shard_dim(layout.placements[fqn_of[id(p)]][shard_at]))
 
-    for block in _blocks(model):
-        fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement)
+    blocks = _blocks(model)
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement,
+                    reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement)
+
+
+def _prepare_stage(stage: nn.Module, plan: Plan, mesh: DeviceMesh, model_mesh: DeviceMesh | None,
+                   layout: _Layout) -> None:
+    """A pipeline stage gets what ``apply`` gives a whole model: activation hooks on the
+    model mesh (on the stage root, not the user's model, whose forward is the schedule),
+    activation checkpointing, then FSDP2 over the data-parallel dims (the runtime takes
+    the batch slice and turns the stage's outputs into plain tensors)."""
+    if model_mesh is not None:
+        _register_activation_hooks(stage, model_mesh, plan, layout.model)
+    _checkpoint_activations(stage, plan, None)
+    if layout.data:
+        _fully_shard(stage, mesh, layout, plan.mesh.names)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:

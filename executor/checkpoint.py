@@ -2,7 +2,9 @@
 
 The tensors go through ``torch.distributed.checkpoint`` (DCP): every rank writes only
 its shards, and loading reshards to whatever placements the loading model has (plain,
-tensor-parallel DTensors, FSDP2), keyed by parameter FQN, which ``apply`` never changes.
+tensor-parallel DTensors, FSDP2), keyed by parameter FQN, which ``apply`` never changes
+(a pipeline rank holds its stages' parameters under their original FQNs, so a checkpoint
+saved with pp=2 loads with pp=1 and the other way round).
 ``get_state_dict``/``set_state_dict`` give model and optimizer state in that FQN-keyed
 form.  Alongside goes a small JSON record (step, ``executor.rng`` state, world size).
 

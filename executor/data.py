@@ -27,7 +27,7 @@ pays for logits it does not read (see docs/executor.md).
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -119,10 +119,10 @@ class _GatherBatch(torch.autograd.Function):
     def forward(ctx: Any, t: torch.Tensor, groups: list, size: int, index: int) -> torch.Tensor:
         ctx.size, ctx.index, ctx.n = size, index, t.shape[0]
         out = t.detach().contiguous()
-        for g in groups:
-            parts = [torch.empty_like(out) for _ in range(dist.get_world_size(g))]
-            dist.all_gather(parts, out, group=g)
-            out = torch.cat(parts)
+        for g in groups:  # into one buffer: a list of parts would need a copy into one more
+            full = out.new_empty((dist.get_world_size(g) * out.shape[0], *out.shape[1:]))
+            dist.all_gather_into_tensor(full, out, group=g)
+            out = full
         return out
 
     @staticmethod
@@ -131,6 +131,7 @@ class _GatherBatch(torch.autograd.Function):
         return local, None, None, None
 
 
+_SLICED = frozenset({F.dropout, torch.dropout, F.scaled_dot_product_attention})  # what the mode redraws
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -148,22 +149,23 @@ class _SlicedRandomness(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if not rng.is_active() or kwargs.get("generator") is not None:
+        # Every torch call of the forward passes here: the identity test comes first.
+        if func not in _SLICED or not rng.is_active() or kwargs.get("generator") is not None:
             return func(*args, **kwargs)
         if func is F.dropout or func is torch.dropout:
             a = _bind_dropout(func, args, kwargs)
             if not a["training"] or a["p"] == 0.0:
                 return func(*args, **kwargs)
-            out = self._back(rng.dropout(self._global(a["input"]), a["p"], True), a["input"])
+            with _generator_alone():
+                out = self._back(rng.dropout(self._global(a["input"]), a["p"], True), a["input"])
             return a["input"].copy_(out) if a["inplace"] else out
-        if func is F.scaled_dot_product_attention:
-            a = {**dict(zip(_SDPA_ARGS, args, strict=False)), **kwargs}
-            if not a.get("dropout_p"):
-                return func(*args, **kwargs)
-            q = a["query"]
-            batched = {k: self._global(v) if _has_batch(v, q) else v for k, v in a.items()}
+        a = {**dict(zip(_SDPA_ARGS, args, strict=False)), **kwargs}  # attention
+        if not a.get("dropout_p"):
+            return func(*args, **kwargs)
+        q = a["query"]
+        batched = {k: self._global(v) if _has_batch(v, q) else v for k, v in a.items()}
+        with _generator_alone():
             return self._back(rng.sdpa(**batched), q)
-        return func(*args, **kwargs)
 
     def _global(self, t: torch.Tensor) -> DTensor:
         if isinstance(t, DTensor):
@@ -179,6 +181,14 @@ class _SlicedRandomness(TorchFunctionMode):
         if isinstance(like, DTensor):
             return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False)
         return local
+
+
+def _generator_alone() -> AbstractContextManager:
+    """Lift executor.rng's mode, next down the stack, while this mode calls the generator
+    directly: otherwise the mode would intercept each of the generator's own integer ops
+    (about a thousand per step for a small Llama)."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    return rng.suspended() if stack and stack[-1] is rng._MODE else nullcontext()
 
 
 def _has_batch(v: Any, query: torch.Tensor) -> bool:

@@ -23,7 +23,7 @@ import inspect
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ __all__ = [
     "is_active",
     "deactivate",
     "checkpoint_context_fn",
+    "batch_rows",
     "suspended",
     "use_compiled_generator",
     "dropout",
@@ -428,13 +429,17 @@ def checkpoint_context_fn() -> tuple[Any, Any]:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
 
     The recomputation must redraw the forward's masks, so it runs with the
-    counter the forward started at and then puts the counter back.
+    counter the forward started at (and the :func:`batch_rows` window the
+    forward ran in: a pipeline recomputes a micro-batch long after its
+    forward, while other micro-batches' windows come and go) and then puts
+    the counter back.
     """
-    start: dict[str, int] = {}
+    start: dict[str, Any] = {}
 
     @contextmanager
     def forward() -> Iterator[None]:
         start["counter"] = get_state()["counter"]
+        start["rows"] = _ROWS
         yield
 
     @contextmanager
@@ -442,11 +447,49 @@ def checkpoint_context_fn() -> tuple[Any, Any]:
         resume = get_state()
         set_state({"seed": resume["seed"], "counter": start["counter"]})
         try:
-            yield
+            with _rows_window(start["rows"]):
+                yield
         finally:
             set_state(resume)
 
     return forward(), recompute()
+
+
+@dataclass(frozen=True)
+class _Rows:
+    start: int
+    count: int
+    total: int
+
+
+_ROWS: _Rows | None = None
+
+
+@contextmanager
+def _rows_window(rows: _Rows | None) -> Iterator[None]:
+    global _ROWS
+    outer, _ROWS = _ROWS, rows
+    try:
+        yield
+    finally:
+        _ROWS = outer
+
+
+def batch_rows(start: int, count: int, total: int) -> AbstractContextManager[None]:
+    """Draw for tensors of ``count`` rows as rows ``[start, start + count)`` of ``total``.
+
+    A pipeline runs each micro-batch (a row slice of the global batch) on its
+    own: inside this window, a random op on a plain tensor
+    whose dim 0 is ``count`` (dropout, attention dropout, ``*_like``,
+    in-place fills) draws the values of those rows of the ``total``-row
+    tensor one device would see (a DTensor whose global dim 0 is ``count``
+    likewise, on top of its own sharding).  Other tensors and factories given a
+    shape (``torch.rand(shape)``) are unaffected.  Process-wide, like the
+    counter.
+    """
+    if start < 0 or count < 1 or start + count > total:
+        raise ValueError(f"batch_rows: rows [{start}, {start + count}) do not lie in a batch of {total}")
+    return _rows_window(_Rows(start, count, total))
 
 
 # --------------------------------------------------------------------------- layouts
@@ -504,7 +547,10 @@ def _layout(
 ) -> tuple[_Indices, tuple[int, ...]]:
     """Which global indices ``t``'s local values stand for, and the local shape."""
     if not _is_dtensor(t):
-        return _Indices(0, t.numel(), t.device), tuple(t.shape)
+        if _ROWS is None:
+            return _Indices(0, t.numel(), t.device), tuple(t.shape)
+        shape, start = _in_rows_window(tuple(t.shape), (0,) * t.dim())
+        return _box_indices(shape, t.shape, start, t.device), tuple(t.shape)
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -530,7 +576,16 @@ def _layout(
             f"executor.rng.{op_name}: local shard shape {tuple(local.shape)} does not match "
             f"{tuple(local_shape)} expected for global shape {tuple(t.shape)} with {t.placements}"
         )
-    return _box_indices(t.shape, local_shape, offset, local.device), tuple(local_shape)
+    shape, offset = _in_rows_window(tuple(t.shape), tuple(offset))
+    return _box_indices(shape, local_shape, offset, local.device), tuple(local_shape)
+
+
+def _in_rows_window(shape: tuple[int, ...], offset: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Global shape and offset of a box inside the :func:`batch_rows` window (unchanged outside it)."""
+    rows = _ROWS
+    if rows is None or not shape or shape[0] != rows.count:
+        return shape, offset
+    return (rows.total, *shape[1:]), (offset[0] + rows.start, *offset[1:])
 
 
 def _rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -718,6 +773,23 @@ def sdpa(
         )
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: attn_mask and is_causal cannot both be set")
+    if attn_mask is None and _heads_sharded_alike(query, key, value):
+        return _sdpa_on_shards(query, key, value, dropout_p, is_causal, scale, enable_gqa)
+    return _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
+                      lambda weights: dropout(weights, dropout_p, training=True))
+
+
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    drop: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Attention as explicit ops, with ``drop`` applied to the probabilities."""
     if enable_gqa:
         groups = query.size(-3) // key.size(-3)
         key = key.repeat_interleave(groups, dim=-3)
@@ -733,8 +805,58 @@ def sdpa(
                 attn_mask.shape, dtype=scores.dtype, device=attn_mask.device
             ).masked_fill(~attn_mask, float("-inf"))
         scores = scores + _like_layout(attn_mask, scores)
-    weights = dropout(torch.softmax(scores, dim=-1), dropout_p, training=True)
-    return weights @ value
+    return drop(torch.softmax(scores, dim=-1)) @ value
+
+
+def _heads_sharded_alike(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether q, k and v are DTensors on one mesh with the same placements, sharding
+    only (and evenly) their leading dims: batch and heads.  Attention is independent per
+    batch element and head, so each rank can then attend its own shards as plain
+    tensors, skipping DTensor's dispatch for the dozen ops of the decomposition."""
+    if not all(_is_dtensor(t) for t in (query, key, value)):
+        return False
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = query.device_mesh, query.placements
+    for t in (query, key, value):
+        if t.device_mesh != mesh or t.placements != placements:
+            return False
+        pieces = [1] * t.ndim
+        for size, p in zip(mesh.shape, placements, strict=True):
+            if type(p) is Shard and p.dim % t.ndim < t.ndim - 2:
+                pieces[p.dim % t.ndim] *= size
+            elif not isinstance(p, Replicate):
+                return False
+        if any(n % k for n, k in zip(t.shape, pieces, strict=True)):
+            return False
+    return True
+
+
+def _sdpa_on_shards(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """:func:`sdpa` on local shards (see :func:`_heads_sharded_alike`); the dropout mask of
+    the local probabilities is drawn for their place in the global scores tensor."""
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements = query.device_mesh, query.placements
+
+    def wrap(local: torch.Tensor, shape: tuple[int, ...]) -> DTensor:
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                                  stride=tuple(_contiguous_strides(shape)))
+
+    scores = (*query.shape[:-1], key.shape[-2])
+    out = _attention(
+        query.to_local(), key.to_local(), value.to_local(), None, is_causal, scale, enable_gqa,
+        lambda weights: dropout(wrap(weights, scores), dropout_p, training=True).to_local(),
+    )
+    return wrap(out, (*query.shape[:-1], value.shape[-1]))
 
 
 def _local_device(t: torch.Tensor) -> torch.device:

@@ -207,3 +207,25 @@ def _sp_layouts(model: Any, names: list[str]) -> list[Any]:
         elif last.endswith("norm") or last.endswith("layernorm"):
             out[pat] = ModuleLayout(module=pat, input=seq, output=seq)
     return list(out.values())
+
+
+def pipeline_variant(plan: Any, schedule: str, second: str, checkpointing: str) -> str:
+    """A planner-made ``pp x N`` pipeline plan (JSON) with the schedule, the role of the
+    second mesh dim and the recomputation a user picked, for the CPU.
+
+    The per-rank stage lists stay valid: interleaving deals each rank's layers out in
+    two.  ``second``: the data-parallel mode (``replicate``, ``fully_shard``), or ``tp``
+    (the dim turned tensor-parallel with Megatron's placements, as in ``make_plan``)."""
+    plan = plan.model_copy(deep=True)
+    plan.pipeline.schedule = schedule
+    plan.pipeline.virtual_stages = 2 if schedule == "interleaved-1f1b" else 1
+    if second == "tp":
+        plan.mesh.dims[1].name = "tp"
+        plan.data_parallel = []
+    else:
+        plan.data_parallel[0].mode = second
+    for p in plan.parameters:
+        p.placements[1] = {"replicate": "R", "fully_shard": "S(0)"}.get(second) or _tp_placement(p.fqn, False)
+    plan.activation_checkpointing = checkpointing
+    plan.mesh.device_type = "cpu"
+    return plan.to_json()

@@ -15,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from _dist import make_plan, run_on_ranks
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import executor
 import planner
@@ -303,3 +306,55 @@ def test_single_device_plan_without_process_group_is_the_plain_model() -> None:
     before = [p for p in model.parameters()]
     assert executor.apply(make_plan(model, {"dp": 1}), model) is model
     assert all(a is b for a, b in zip(before, model.parameters(), strict=True))
+
+
+# -- collectives the plan implies, and no more -----------------------------------------
+
+def test_sequence_parallel_rowwise_outputs_are_reduce_scattered() -> None:
+    """o_proj / down_proj leave a pending sum that the plan wants as S(1): one reduce-scatter
+    each, not an all-reduce (twice the bytes) followed by a slice.  Counted in one process
+    with torch's fake process group, where collectives cost nothing."""
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        case = Case("llama", {"tp": 2}, sp=True)
+        executor.rng.manual_seed(SEED)
+        model = build(case)
+        model = executor.apply(make_plan(model, case.mesh, sp=True), model)
+        with CommDebugMode() as comm:
+            model(input_ids=torch.zeros(BATCH, SEQ, dtype=torch.long), use_cache=False)
+        counts = {op.__name__: n for op, n in comm.get_comm_counts().items()}
+    finally:
+        torch.distributed.destroy_process_group()
+        executor.rng.deactivate()
+    layers = PRESETS["llama-tiny"]["num_hidden_layers"]
+    # per layer: gather before attention and MLP, reduce-scatter after them; then the
+    # final norm's output gathered for lm_head, and the logits gathered for the loop
+    assert counts == {"all_gather_into_tensor": 2 * layers + 2, "reduce_scatter_tensor": 2 * layers}
+
+
+@pytest.mark.parametrize("dim", [0, 1], ids=["batch-sharded", "head-sharded"])
+def test_attention_dropout_on_local_shards_is_the_single_device_slice(dim: int) -> None:
+    """q, k, v sharded alike on batch or heads attend as plain local tensors (no DTensor
+    dispatch), and the dropout mask is still drawn for the shard's place in the global
+    scores: rank 1's output is bitwise the matching slice of the one-device result,
+    grouped-query attention included."""
+    with executor.rng.suspended():
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(2, 4, 8, 8, generator=g)
+        k, v = torch.randn(2, 2, 8, 8, generator=g), torch.randn(2, 2, 8, 8, generator=g)
+    attend = {"dropout_p": 0.5, "is_causal": True, "enable_gqa": True}
+    try:
+        executor.rng.manual_seed(SEED)
+        reference = F.scaled_dot_product_attention(q, k, v, **attend)
+        torch.distributed.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+        mesh = init_device_mesh("cpu", (2,))
+        executor.rng.manual_seed(SEED)
+        shards = [DTensor.from_local(t.chunk(2, dim)[1], mesh, [Shard(dim)], run_check=False)
+                  for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*shards, **attend)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        executor.rng.deactivate()
+    assert out.placements == (Shard(dim),)
+    assert torch.equal(out.to_local(), reference.chunk(2, dim)[1])

@@ -1,0 +1,303 @@
+"""Pipeline plans (executor.pipeline): N-rank pipelined training equals the single-device run.
+
+Plans come from the planner (a 4-layer tiny Llama with attention dropout, forced
+``pp x dp`` meshes); the schedule, FSDP and activation checkpointing variants are the
+same plan with those fields changed, as a user may.  Each world size runs all its
+scenarios in one job on the shared gloo rank pool (tests/_dist.py); the reference is
+the same loop in this process, with no process group.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist import pipeline_variant, run_on_ranks
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import executor
+import planner
+from executor.pipeline import PipelineError
+from planner.presets import PRESETS, build_model, load_config
+from planner.schema import Plan
+
+STEPS, SAVE_AT = 5, 3
+BATCH, SEQ = 8, 16
+SEED = 1234
+CONFIG = {**PRESETS["llama-tiny"], "num_hidden_layers": 4, "attention_dropout": 0.1}
+
+
+def build() -> nn.Module:
+    return build_model(load_config(CONFIG), device="cpu").train()
+
+
+def batches() -> list[torch.Tensor]:
+    with executor.rng.suspended():
+        g = torch.Generator().manual_seed(7)
+        return [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for n, t in tensors.items()}
+
+
+def train(plan_json: str, save_to: str | None = None, resume_from: str | None = None) -> dict[str, Any]:
+    """The user's loop, unchanged between 1 device and a pipeline: seed, apply, AdamW.
+
+    ``save_to`` checkpoints after SAVE_AT steps; ``resume_from`` loads such a checkpoint
+    and runs the remaining steps."""
+    data = batches()
+    executor.rng.manual_seed(SEED)
+    plan = Plan.from_json(plan_json)
+    model = executor.apply(plan, build())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    out: dict[str, Any] = {"losses": {}}
+    start = executor.load(resume_from, model=model, optimizer=opt) if resume_from else 0
+    if resume_from:
+        out["loaded"] = _full(dict(model.named_parameters()))
+    for step in range(start, STEPS):
+        loss = model(input_ids=data[step], labels=data[step]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"][step] = loss.item()
+        if step + 1 == SAVE_AT and save_to is not None:
+            executor.save(save_to, model=model, optimizer=opt, step=SAVE_AT)
+            out["saved"] = _full(dict(model.named_parameters()))
+    out["params"] = _full(dict(model.named_parameters()))
+    out["dtensors"] = {n for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    out["counter"] = executor.rng.get_state()["counter"]
+    if save_to is not None and plan.pipeline is not None:
+        with pytest.raises(PipelineError) as e:
+            model(input_ids=data[0])
+        out["no_labels"] = str(e.value)
+    return out
+
+
+def on_ranks(plans: dict[str, str], saver: str | None, root: str | None) -> dict[str, Any]:
+    """Every scenario; ``saver`` also checkpoints into ``root/ckpt`` on the way, then resumes
+    from the single-device run's checkpoint ``root/ckpt1``."""
+    out = {name: train(plan, save_to=f"{root}/ckpt" if name == saver else None) for name, plan in plans.items()}
+    if saver is not None:
+        out["resumed"] = train(plans[saver], resume_from=f"{root}/ckpt1")
+    return out
+
+
+def _planned(mesh: dict[str, int]) -> Plan:
+    devices = mesh["pp"] * mesh["dp"]
+    return planner.plan(CONFIG, devices=devices, profile="cpu-gloo-local", batch_size=BATCH, seq_len=SEQ,
+                        mesh=mesh)
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, Plan]:
+    return {"pp2": _planned({"pp": 2, "dp": 1}), "pp2xdp2": _planned({"pp": 2, "dp": 2})}
+
+
+def test_planner_splits_the_four_layers_evenly(plans: dict[str, Plan]) -> None:
+    """What the variants below start from: two per-rank stages of two layers each."""
+    for plan in plans.values():
+        assert [s.modules for s in plan.pipeline.stages] == [
+            ["model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.layers.1"],
+            ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("pp-ckpt"))
+
+
+@pytest.fixture(scope="module")
+def reference(root: str) -> dict[str, Any]:
+    """One device, no process group; checkpoints into ``root/ckpt1`` on the way."""
+    one = planner.plan(CONFIG, devices=1, profile="cpu-gloo-local", batch_size=BATCH, seq_len=SEQ)
+    try:
+        return {"plan": one.to_json(), **train(one.to_json(), save_to=f"{root}/ckpt1")}
+    finally:
+        executor.rng.deactivate()  # leave other test modules with torch's own RNG
+
+
+WORLD2 = {"gpipe": ("pp2", "gpipe", "replicate", "none"),
+          "1f1b-full-recompute": ("pp2", "1f1b", "replicate", "full"),
+          "interleaved": ("pp2", "interleaved-1f1b", "replicate", "none")}
+SAVER = "1f1b-full-recompute"
+# Replicate (HSDP through FSDP2) with interleaving: two FSDP stage roots per rank.
+WORLD4 = {"fsdp-1f1b": ("pp2xdp2", "1f1b", "fully_shard", "none"),
+          "replicate-interleaved-selective-recompute": ("pp2xdp2", "interleaved-1f1b", "replicate", "selective"),
+          "tp-1f1b-full-recompute": ("pp2xdp2", "1f1b", "tp", "full")}
+
+
+def _merged(results: list[dict[str, Any]], name: str, key: str) -> dict[str, torch.Tensor]:
+    """Every stage's parameters (each rank holds its stages' only)."""
+    out: dict[str, torch.Tensor] = {}
+    for r in results:
+        out.update(r[name][key])
+    return out
+
+
+@pytest.fixture(scope="module")
+def world2(plans: dict[str, Plan], root: str, reference: dict[str, Any]) -> dict[str, Any]:
+    jobs = {name: pipeline_variant(plans[p], s, f, c) for name, (p, s, f, c) in WORLD2.items()}
+    return {"root": root, "ranks": run_on_ranks(2, on_ranks, jobs, SAVER, root)}
+
+
+@pytest.fixture(scope="module")
+def world4(plans: dict[str, Plan]) -> list[dict[str, Any]]:
+    jobs = {name: pipeline_variant(plans[p], s, f, c) for name, (p, s, f, c) in WORLD4.items()}
+    return run_on_ranks(4, on_ranks, jobs, None, None)
+
+
+def _assert_matches(results: list[dict[str, Any]], name: str, ref: dict[str, Any]) -> None:
+    for r in results:  # every rank reports the step's loss
+        torch.testing.assert_close(torch.tensor(list(r[name]["losses"].values())),
+                                   torch.tensor(list(ref["losses"].values())), rtol=1e-5, atol=0)
+        assert r[name]["counter"] == ref["counter"]  # the next step draws what one device draws
+    params = _merged(results, name, "params")
+    assert params.keys() == ref["params"].keys()
+    for n, value in params.items():
+        torch.testing.assert_close(value, ref["params"][n], rtol=1e-5, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_two_stages_match_single_device(name: str, world2: dict, reference: dict) -> None:
+    _assert_matches(world2["ranks"], name, reference)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_two_stages_by_two_data_parallel_match_single_device(name: str, world4: list, reference: dict) -> None:
+    _assert_matches(world4, name, reference)
+
+
+def test_each_rank_holds_only_its_stages(world2: dict) -> None:
+    first, last = (set(r["gpipe"]["params"]) for r in world2["ranks"])
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" in last
+    assert not first & last
+
+
+def test_stages_are_sharded_as_planned(world4: list) -> None:
+    """The variants above really shard: FSDP and tensor parallelism make DTensor parameters."""
+    assert all("model.layers.0.self_attn.q_proj.weight" in world4[r]["tp-1f1b-full-recompute"]["dtensors"]
+               for r in (0, 1))
+    assert all("lm_head.weight" in world4[r]["fsdp-1f1b"]["dtensors"] for r in (2, 3))
+
+
+def test_pp2_checkpoint_loads_with_pp1(world2: dict, reference: dict) -> None:
+    """Saved by two stages, loaded by one process with a 1-device plan: the same state, bit for
+    bit, and the run goes on with the pipeline's next losses."""
+    ranks = world2["ranks"]
+    try:
+        resumed = train(reference["plan"], resume_from=f"{world2['root']}/ckpt")
+    finally:
+        executor.rng.deactivate()
+    saved = _merged(ranks, SAVER, "saved")
+    assert resumed["loaded"].keys() == saved.keys()
+    for n, value in resumed["loaded"].items():
+        assert torch.equal(value, saved[n]), n
+    for step in range(SAVE_AT, STEPS):
+        assert resumed["losses"][step] == pytest.approx(ranks[0][SAVER]["losses"][step], rel=1e-5)
+
+
+def test_pp1_checkpoint_loads_with_pp2(world2: dict, reference: dict) -> None:
+    """The other way round: two stages resume the single-device run."""
+    ranks = world2["ranks"]
+    loaded = _merged(ranks, "resumed", "loaded")
+    assert loaded.keys() == reference["saved"].keys()
+    for n, value in loaded.items():
+        assert torch.equal(value, reference["saved"][n]), n
+    for r in ranks:
+        for step in range(SAVE_AT, STEPS):
+            assert r["resumed"]["losses"][step] == pytest.approx(reference["losses"][step], rel=1e-5)
+
+
+def test_forward_without_labels_says_why(world2: dict) -> None:
+    msg = world2["ranks"][0][SAVER]["no_labels"]
+    assert msg.startswith("labels: under a pipeline plan the model's forward runs a whole training step")
+
+
+def test_batch_rows_draw_the_global_rows_in_any_order() -> None:
+    """A micro-batch's dropout mask is its rows of the full batch's mask, whatever order
+    the micro-batches run in."""
+    try:
+        executor.rng.manual_seed(5)
+        x = torch.ones(8, 3, 4)
+        full = F.dropout(x, 0.5)
+        order = list(range(4))
+        random.Random(0).shuffle(order)
+        parts = {}
+        for m in order:
+            executor.rng.set_state({"seed": 5, "counter": 0})
+            with executor.rng.batch_rows(2 * m, 2, 8):
+                parts[m] = F.dropout(torch.ones(2, 3, 4), 0.5)
+                untouched = F.dropout(torch.ones(3, 4), 0.5)  # no batch dim of 2 rows: global
+        assert torch.equal(torch.cat([parts[m] for m in range(4)]), full)
+        executor.rng.set_state({"seed": 5, "counter": 1})
+        assert torch.equal(untouched, F.dropout(torch.ones(3, 4), 0.5))
+    finally:
+        executor.rng.deactivate()
+
+
+# -- bad pipeline plans: refused, naming the field or FQN -----------------------------------
+
+def _refused(plan: Plan) -> str:
+    with pytest.raises(executor.PlanError) as e:
+        executor.apply(plan, build())
+    return str(e.value)
+
+
+def test_stage_module_that_does_not_exist(plans: dict[str, Plan]) -> None:
+    plan = plans["pp2"].model_copy(deep=True)
+    plan.pipeline.stages[1].modules.append("model.layers.9")
+    assert "pipeline.stages[1].modules: model.layers.9 is not a module of the model" in _refused(plan)
+
+
+def test_parameter_in_no_stage_and_in_two(plans: dict[str, Plan]) -> None:
+    plan = plans["pp2"].model_copy(deep=True)
+    plan.pipeline.schedule, plan.pipeline.virtual_stages = "1f1b", 1
+    plan.pipeline.stages[1].modules.remove("lm_head")
+    plan.pipeline.stages[1].modules.insert(0, "model.layers.1")
+    msg = _refused(plan)
+    assert "lm_head.weight: in no pipeline stage" in msg
+    assert "model.layers.1.mlp.up_proj.weight: in pipeline stages [0, 1]" in msg
+
+
+def test_interleaving_needs_layers_that_split_evenly(plans: dict[str, Plan]) -> None:
+    plan = plans["pp2"].model_copy(deep=True)
+    plan.pipeline.schedule, plan.pipeline.virtual_stages = "interleaved-1f1b", 2
+    plan.pipeline.stages[0].modules.remove("model.layers.1")
+    plan.pipeline.stages[1].modules.insert(0, "model.layers.1")
+    assert "pipeline.stages[0]: 1 layers do not split into virtual_stages=2" in _refused(plan)
+
+
+def test_virtual_stages_need_the_interleaved_schedule(plans: dict[str, Plan]) -> None:
+    plan = plans["pp2"].model_copy(deep=True)
+    plan.pipeline.schedule, plan.pipeline.virtual_stages = "1f1b", 2
+    assert "pipeline.virtual_stages: 2 with schedule '1f1b'" in _refused(plan)
+
+
+def test_interleaved_micro_batches_come_in_rounds_of_pp(plans: dict[str, Plan]) -> None:
+    plan = plans["pp2"].model_copy(deep=True)
+    plan.pipeline.schedule, plan.pipeline.virtual_stages, plan.microbatches = "interleaved-1f1b", 2, 3
+    assert "microbatches: 3 with interleaved-1f1b on pp=2" in _refused(plan)
+
+
+def test_sharding_on_the_pipeline_dim_is_refused(plans: dict[str, Plan]) -> None:
+    plan = plans["pp2"].model_copy(deep=True)
+    plan.parameters[0].placements[0] = "S(0)"
+    assert f"{plan.parameters[0].fqn}: S(0) on pipeline dim 'pp'" in _refused(plan)
+
+
+def test_position_embeddings_and_ties_across_stages_are_refused(plans: dict[str, Plan]) -> None:
+    """GPT-2: later stages start from inputs_embeds=, which would skip its learned position
+    embedding; and its head is tied to the token embedding on another stage."""
+    plan = plans["pp2"].model_copy(deep=True)
+    plan.pipeline.schedule, plan.pipeline.virtual_stages = "1f1b", 1
+    plan.pipeline.stages[0].modules = ["transformer.wte", "transformer.wpe", "transformer.h.0"]
+    plan.pipeline.stages[1].modules = ["transformer.h.1", "transformer.ln_f", "lm_head"]
+    with pytest.raises(executor.PlanError) as e:
+        executor.apply(plan, build_model(load_config("gpt2-tiny"), device="meta"))
+    assert "pipeline.stages[0].modules: transformer.wpe holds parameters before the first layer" in str(e.value)
+    assert "lm_head.weight: tied to transformer.wte.weight (stage 0) but in stage 1" in str(e.value)
