@@ -3,8 +3,13 @@ hand layouts of a small Llama on 4 gloo processes, and collective micro-predicti
 
     python -m bench.costmodel_fidelity [--profile PATH] [--steps 6] [--warmup 2]
 
-Without ``--profile`` the machine is calibrated first (``cost_model.calibrate``, group
-sizes 2 and 4) and the profile is written to ``--save-profile``.  The 4 ranks are
+Without ``--profile`` the machine is calibrated inside the run: halfway through the
+timed steps the 4 ranks run calibrate's own micro-benchmarks (``measure_job``: gloo
+collectives in groups of 2 and 4, GEMMs, copies, op dispatch), and the profile built
+from them (``profile_from_job``, exactly what ``meshplan calibrate`` writes) is saved
+to ``--save-profile`` and used for the predictions.  On a machine shared with other
+jobs the load changes within minutes; calibrating in the same job, between the steps,
+measures the primitives under the load the steps see.  The 4 ranks are
 spawned once; inside them every layout trains the same model on the same global batch
 (forward, backward, AdamW step; the layouts' steps interleaved, round-robin, so the
 shared machine's load drift hits them alike) through ``executor.apply`` with the hand
@@ -39,8 +44,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import executor
 import planner
-from cost_model.calibrate import _collective, calibrate
+from cost_model.calibrate import _collective, measure_job, profile_from_job
 from cost_model.comm import collective_time
+from cost_model.compute import gemm_efficiency
 from cost_model.profile import load_profile
 from planner.presets import build_model, load_config
 from tests._dist import make_plan
@@ -163,7 +169,8 @@ def _gemm_rates(repeats: int, n: int = 1024) -> list[float]:
     return out
 
 
-def _worker(rank: int, init_file: str, out: str, warmup: int, steps: int, repeats: int) -> None:
+def _worker(rank: int, init_file: str, out: str, warmup: int, steps: int, repeats: int,
+            calibrate: bool) -> None:
     torch.set_num_threads(1)  # 4 ranks on 2 cores: one thread each, as the executor tests run
     # HF outputs are dataclasses, so torch warns on every step that module backward hooks
     # (the executor's) see no tensor output; harmless here and it would bury the tables.
@@ -174,7 +181,10 @@ def _worker(rank: int, init_file: str, out: str, warmup: int, steps: int, repeat
         ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=g)
         steps_of = {layout.name: _training_step(layout, ids) for layout in LAYOUTS}
         steps_of[LOCAL] = _training_step(None, ids)
-        result: dict[str, Any] = {"times": _timed_round_robin(steps_of, warmup, steps)}
+        first = _timed_round_robin(steps_of, warmup, steps // 2)
+        job = measure_job((2, WORLD), MESSAGE_SIZES) if calibrate else None
+        second = _timed_round_robin(steps_of, 0, steps - steps // 2)
+        result: dict[str, Any] = {"times": {k: first[k] + second[k] for k in first}, "job": job}
         result["collectives"] = {name: _collectives_per_step(step) for name, step in steps_of.items()}
         dist.barrier()
         result["gemm"] = _gemm_rates(repeats)
@@ -250,11 +260,13 @@ def _step_table(results: list[dict], profile: dict) -> None:
           f"({BATCH // WORLD} x {SEQ}) on all {WORLD} ranks at once: measured {step:.3f} s "
           f"(fwd {fwd:.3f}, bwd {bwd:.3f}, opt {opt:.3f}); DP predicted compute {dp.compute_s:.3f} s "
           f"+ optimizer {dp.optimizer_s:.3f} s")
-    peak = load_profile(profile).peak_flops["fp32"]
+    prof = load_profile(profile)
+    flops = 2.0 * 1024**3
+    rate = gemm_efficiency(prof, flops) * prof.peak_flops["fp32"]
     rates = [v for res in results for v in res["gemm"]]
-    print(f"GEMM fp32 1024^3: profile peak {peak / 1e9:.1f} GFLOP/s (one process, all threads, best run); "
-          f"in the {WORLD} ranks at once (1 thread each) median {statistics.median(rates) / 1e9:.1f}, "
-          f"best {max(rates) / 1e9:.1f} GFLOP/s per rank")
+    print(f"GEMM fp32 1024^3: the profile's rate {rate / 1e9:.1f} GFLOP/s per rank; measured now in "
+          f"the {WORLD} ranks at once (1 thread each): median {statistics.median(rates) / 1e9:.1f}, "
+          f"best {max(rates) / 1e9:.1f} GFLOP/s")
 
 
 def _collective_table(results: list[dict], profile: dict) -> None:
@@ -281,7 +293,7 @@ def _collective_table(results: list[dict], profile: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", type=Path, help="reuse a calibrated profile JSON instead of calibrating")
+    ap.add_argument("--profile", type=Path, help="use this profile JSON instead of calibrating in the run")
     ap.add_argument("--save-profile", type=Path, default=Path(tempfile.gettempdir()) / "meshplan-fidelity-profile.json",
                     help="where the calibration writes the profile (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -290,16 +302,17 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     print(f"start {time.strftime('%H:%M:%S UTC', time.gmtime())}; load average {_load()} "
           f"({os.cpu_count()} CPUs)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.pt")
+        mp.spawn(_worker, args=(os.path.join(tmp, "init"), out, args.warmup, args.steps, args.repeats,
+                                args.profile is None), nprocs=WORLD, join=True)
+        results = torch.load(out, weights_only=False)
     if args.profile is None:
-        calibrate(args.save_profile, world_sizes=(2, 4))
+        measured = profile_from_job(args.save_profile.stem, results[0]["job"], MESSAGE_SIZES)
+        args.save_profile.write_text(measured.model_dump_json(indent=2) + "\n")
         args.profile = args.save_profile
     profile = load_profile(args.profile).model_dump()
     print(f"profile: {args.profile} ({profile['source']})")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.pt")
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), out, args.warmup, args.steps, args.repeats),
-                 nprocs=WORLD, join=True)
-        results = torch.load(out, weights_only=False)
     _step_table(results, profile)
     _collective_table(results, profile)
     print(f"\nend {time.strftime('%H:%M:%S UTC', time.gmtime())}; load average {_load()}")

@@ -1,10 +1,19 @@
-"""Measure this machine and write a Profile: GEMM throughput, memory bandwidth, gloo collectives.
+"""Measure this machine and write a Profile: GEMM throughput, memory bandwidth, op
+dispatch overhead, gloo collectives.
 
 Nothing here is fitted to end-to-end training throughput: each constant comes
-from a micro-benchmark of the primitive the cost model uses it for, and the
-collective constants are fitted to the very model ``cost_model.comm`` evaluates
-(``t = latency + S * f(n) / busbw``), over several group sizes at once so that
-the bus-bandwidth factor is tested rather than assumed.
+from a micro-benchmark of the primitive the cost model uses it for.
+
+A CPU "device" is one rank of a local gloo job: ranks are processes with one
+thread each that share the machine's cores and memory bus.  So the device
+constants (GEMM FLOP/s by size, copy bandwidth, host time per eager op, plain and
+DTensor) are measured inside the spawned ranks of the largest group size, all
+ranks running the same micro-benchmark at once, as they do when they train; a
+single process using every core would describe a device no rank ever gets.
+Collective constants are fitted per group size to the very model
+``cost_model.comm`` evaluates (``t = latency + S * f(n) / busbw``).  Timings are
+medians of repeats: on a shared machine a rank sees the typical load, not the
+quietest moment.
 """
 
 from __future__ import annotations
@@ -16,14 +25,17 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
-from cost_model.comm import bus_factor
+from cost_model.comm import bus_factor, collective_time
 from cost_model.profile import COLLECTIVE_KINDS, Profile
 
 # torch 2.13 renamed these (the old names warn); 2.11 has only the old ones.
@@ -31,109 +43,190 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 DEFAULT_MESSAGE_SIZES = (64 * 2**10, 2**20, 8 * 2**20, 64 * 2**20)
-GEMM_SIZES = (128, 256, 512, 1024)
-_REPEATS = 5
+GEMM_SIZES = (64, 128, 256, 512, 1024)
+COPY_BYTES = 16 * 2**20  # larger than a core's share of the last-level cache
+_REPEATS = 7
 
 
-def _best_time(fn: Callable[[], object], budget_s: float = 0.15, max_runs: int = 50) -> float:
-    """Fastest wall time of ``fn`` after one warm-up, within a time budget.
+def _repeats(nbytes: int) -> int:
+    """Timed repeats of one collective: fewer for the largest messages, whose repeats
+    vary less and take up to a second each on a busy machine (keeps calibrate short)."""
+    return _REPEATS if nbytes < 32 * 2**20 else 3
 
-    The minimum, not the median: on a shared machine other processes only ever
-    add time, and the profile should describe the hardware, not the load.
+
+def _median_time(fn: Callable[[], object], window_s: float = 0.04, windows: int = 9) -> float:
+    """Seconds per call of ``fn``: calls run back to back for ``window_s``, the elapsed
+    time divided by the calls, median over ``windows`` windows (after one warm-up call).
+
+    Windows rather than single calls: a rank that shares a core is descheduled for
+    whole time slices, and timing single short calls would mostly catch it while it
+    runs.  A window spans several slices, so it sees the rank's share of the core.
     """
     fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < max_runs and (len(times) < 3 or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    per_call = []
+    for _ in range(windows):
+        calls, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < window_s or calls == 0:
+            fn()
+            calls += 1
+        per_call.append(elapsed / calls)
+    return statistics.median(per_call)
 
 
-def measure_gemm(dtype: torch.dtype) -> list[tuple[float, float]]:
-    """(FLOPs, achieved FLOP/s) of square matmuls of GEMM_SIZES."""
+def measure_op_overhead(world: int) -> tuple[float, float]:
+    """(host s of one plain eager op, extra s when its operands are DTensors).
+
+    A 1-element add runs a kernel that does no measurable work, so its time is the
+    dispatch itself; the DTensor add (sharded operands, no communication) adds
+    DTensor's sharding propagation and wrapping.  Needs a process group of ``world``.
+    """
+    a, b = torch.ones(1), torch.ones(1)
+    plain = _median_time(lambda: a + b)
+    mesh = init_device_mesh("cpu", (world,))
+    da, db = (distribute_tensor(torch.ones(world), mesh, [Shard(0)]) for _ in range(2))
+    return plain, max(0.0, _median_time(lambda: da + db) - plain)
+
+
+def measure_gemm(dtype: torch.dtype, dispatch_s: float = 0.0) -> list[tuple[float, float]]:
+    """(FLOPs, achieved FLOP/s) of square matmuls of GEMM_SIZES.
+
+    ``dispatch_s`` is taken off each time: the cost model adds the host time of an
+    op to its kernel's roofline on a CPU, so the rate must describe the kernel alone.
+    """
     out = []
     for n in GEMM_SIZES:
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         flops = 2.0 * n**3
-        out.append((flops, flops / _best_time(lambda a=a, b=b: a @ b)))
+        t = _median_time(lambda a=a, b=b: a @ b)
+        out.append((flops, flops / max(t - dispatch_s, t / 2)))
     return out
 
 
-def measure_memory_bandwidth(nbytes: int = 64 * 2**20) -> float:
+def measure_memory_bandwidth(nbytes: int = COPY_BYTES) -> float:
     """B/s of a large copy (read + write counted), the traffic op_time's bytes mean."""
     src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _best_time(lambda: dst.copy_(src))
+    return 2 * nbytes / _median_time(lambda: dst.copy_(src))
 
 
-def measure_kernel_floor() -> float:
-    """Seconds of the cheapest op that still runs a kernel (1-element add)."""
-    a, b = torch.ones(1), torch.ones(1)
-    out = torch.empty(1)
-    return _best_time(lambda: torch.add(a, b, out=out), budget_s=0.05, max_runs=2000)
+def measure_device(world: int) -> dict[str, Any]:
+    """Every device constant, measured by this rank while the other ranks do the same."""
+    floor, dtensor = measure_op_overhead(world)
+    out: dict[str, Any] = {"floor": floor, "dtensor": dtensor}
+    dist.barrier()
+    out["fp32"] = measure_gemm(torch.float32, floor)
+    dist.barrier()
+    try:
+        out["bf16"] = measure_gemm(torch.bfloat16, floor)
+    except RuntimeError:  # a CPU build without bf16 matmul kernels
+        out["bf16"] = None
+    dist.barrier()
+    out["bandwidth"] = measure_memory_bandwidth()
+    return out
 
 
-def _collective(kind: str, nbytes: int, world: int, rank: int) -> Callable[[], object]:
-    """A closure running one ``kind`` collective of nccl-tests size ``nbytes``."""
+def _collective(
+    kind: str, nbytes: int, world: int, rank: int, group: dist.ProcessGroup | None = None
+) -> Callable[[], object]:
+    """A closure running one ``kind`` collective of nccl-tests size ``nbytes`` among the
+    ``world`` ranks of ``group`` (default: the whole job); ``rank`` is this rank's index in it."""
     numel = max(world, nbytes // 4 // world * world)
     full = torch.ones(numel)
     part = torch.empty(numel // world)
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(full)
+        return lambda: dist.all_reduce(full, group=group)
     if kind == "all_gather":
-        return lambda: _ALL_GATHER(full, part.fill_(1.0))
+        return lambda: _ALL_GATHER(full, part.fill_(1.0), group=group)
     if kind == "reduce_scatter":
-        return lambda: _REDUCE_SCATTER(part, full)
+        return lambda: _REDUCE_SCATTER(part, full, group=group)
     if kind == "all_to_all":
         recv = torch.empty_like(full)
-        return lambda: dist.all_to_all_single(recv, full)
+        return lambda: dist.all_to_all_single(recv, full, group=group)
     recv = torch.empty_like(full)
 
+    def peer(i: int) -> int:
+        return i if group is None else dist.get_global_rank(group, i)
+
     def ring_exchange() -> None:  # every rank sends to the next and receives from the previous
-        reqs = [dist.isend(full, (rank + 1) % world), dist.irecv(recv, (rank - 1) % world)]
+        reqs = [dist.isend(full, peer((rank + 1) % world), group=group),
+                dist.irecv(recv, peer((rank - 1) % world), group=group)]
         for r in reqs:
             r.wait()
 
     return ring_exchange
 
 
-def _collective_worker(
-    rank: int, world: int, init_file: str, sizes: Sequence[int], out: str
+def _time_collectives(size: int, sizes: Sequence[int]) -> list[tuple[str, int, float]]:
+    """(kind, bytes, s) in groups of ``size`` consecutive ranks, every group at once (as
+    the groups of a mesh dim run in training): per repeat the slowest rank's time (SPMD
+    waits for it), median over repeats."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = None if size == world else dist.new_subgroups(size)[0]
+    rows = []
+    for kind in COLLECTIVE_KINDS:
+        for nbytes in sizes:
+            fn = _collective(kind, nbytes, size, rank % size, group)
+            fn()  # warm-up (connection set-up, allocation)
+            times = []
+            for _ in range(_repeats(nbytes)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            slowest = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            rows.append((kind, nbytes, statistics.median(slowest.tolist())))
+    return rows
+
+
+def measure_job(groups: Sequence[int], sizes: Sequence[int]) -> dict[str, Any]:
+    """Everything ``profile_from_job`` needs, measured on every rank of the current gloo
+    job (call it on all ranks): collectives in groups of each size, then every rank's
+    device constants.  A job that trains can call it between steps, under the same load."""
+    result: dict[str, Any] = {"collectives": {g: _time_collectives(g, sizes) for g in groups}}
+    dist.barrier()
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, measure_device(dist.get_world_size()))
+    result["device"] = per_rank
+    return result
+
+
+def _rank_worker(
+    rank: int, world: int, init_file: str, groups: Sequence[int], sizes: Sequence[int], out: str
 ) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # a rank is one thread, as executor-run training uses
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        rows = []
-        for kind in COLLECTIVE_KINDS:
-            for nbytes in sizes:
-                fn = _collective(kind, nbytes, world, rank)
-                fn()  # warm-up (connection set-up, allocation)
-                times = []
-                for _ in range(_REPEATS):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    fn()
-                    times.append(time.perf_counter() - t0)
-                # min over repeats: interference from other processes only ever adds time
-                slowest = torch.tensor([min(times)], dtype=torch.float64)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank sets the time
-                rows.append((kind, nbytes, slowest.item()))
+        result = measure_job(groups, sizes)
         if rank == 0:
-            Path(out).write_text("\n".join(f"{k} {n} {t!r}" for k, n, t in rows))
+            torch.save(result, out)
         dist.barrier()  # gloo: every rank must be done before the group goes away
     finally:
         dist.destroy_process_group()
 
 
-def measure_collectives(world: int, sizes: Sequence[int]) -> list[tuple[str, int, float]]:
-    """(kind, nccl-tests size, seconds) among ``world`` local gloo processes, one spawn."""
+def measure_ranks(world: int, groups: Sequence[int], sizes: Sequence[int]) -> dict[str, Any]:
+    """One job of ``world`` local gloo processes: collectives in groups of each size in
+    ``groups`` (all groups at once) and every rank's device constants."""
     with tempfile.TemporaryDirectory() as tmp:
-        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-        mp.spawn(_collective_worker, args=(world, init, tuple(sizes), out), nprocs=world, join=True)
-        rows = [line.split() for line in Path(out).read_text().splitlines()]
-    return [(k, int(n), float(t)) for k, n, t in rows]
+        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out.pt")
+        mp.spawn(_rank_worker, args=(world, init, tuple(groups), tuple(sizes), out), nprocs=world,
+                 join=True)
+        return torch.load(out, weights_only=False)
+
+
+def _device_constants(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The typical rank: the median over ranks of each measured constant."""
+    def med(values: Sequence[float]) -> float:
+        return statistics.median(values)
+
+    out: dict[str, Any] = {k: med([r[k] for r in per_rank]) for k in ("floor", "dtensor", "bandwidth")}
+    for dtype in ("fp32", "bf16"):
+        if any(r[dtype] is None for r in per_rank):
+            continue
+        sizes = [f for f, _ in per_rank[0][dtype]]
+        out[dtype] = [(f, med([r[dtype][i][1] for r in per_rank])) for i, f in enumerate(sizes)]
+    return out
 
 
 def fit_collectives(
@@ -143,7 +236,7 @@ def fit_collectives(
 
     Weighted least squares on ``t = a + S*f(n) * (1/busbw_kind)``, each row
     divided by its t so that small and large messages count alike (relative
-    error); one latency for all kinds because a profile level has one.  numpy
+    error); one latency for all kinds because a level's default has one.  numpy
     has the solver; no library offers this particular model.  When noise (a
     loaded machine) leaves a kind with no positive slope, its busbw falls back
     to the median ratio S*f(n)/t (as if latency were 0, erring towards
@@ -162,6 +255,20 @@ def fit_collectives(
         busbw[kind] = statistics.median(
             n * bus_factor(k, w) / t for k, w, n, t in samples if k == kind
         )
+    return latency, busbw, unfit
+
+
+def fit_group(
+    samples: Sequence[tuple[str, int, int, float]],
+) -> tuple[dict[str, float], dict[str, float], list[str]]:
+    """Per-kind latency and busbw of one group size: ``fit_collectives`` on each kind alone."""
+    latency, busbw, unfit = {}, {}, []
+    for kind in COLLECTIVE_KINDS:
+        rows = [s for s in samples if s[0] == kind]
+        if rows:
+            lat, bw, bad = fit_collectives(rows)
+            latency[kind], busbw[kind] = (0.0 if bad else lat), bw[kind]
+            unfit += bad
     return latency, busbw, unfit
 
 
@@ -187,58 +294,92 @@ def calibrate(
     progress: Callable[[str], None] = print,
     message_sizes: Sequence[int] = DEFAULT_MESSAGE_SIZES,
 ) -> Profile:
-    """Measure this machine, write its Profile JSON to ``output`` and return it."""
+    """Measure this machine, write its Profile JSON to ``output`` and return it.
+
+    One job of ``max(world_sizes)`` processes measures everything: the device
+    constants describe one of its ranks, and each size in ``world_sizes`` is a
+    group size whose collectives run in every group of the job at once.
+    """
     if not world_sizes or any(w < 2 for w in world_sizes):
         raise ValueError(f"world_sizes: need group sizes >= 2, got {list(world_sizes)}")
     if len(message_sizes) < 2:
         raise ValueError(
             "message_sizes: need at least two sizes to separate latency from bandwidth"
         )
-    progress("gemm fp32 ...")
-    fp32 = measure_gemm(torch.float32)
-    peaks = {"fp32": max(r for _, r in fp32)}
-    progress(f"gemm fp32: {peaks['fp32'] / 1e9:.1f} GFLOP/s peak; bf16 ...")
-    try:
-        peaks["bf16"] = max(r for _, r in measure_gemm(torch.bfloat16))
-        progress(f"gemm bf16: {peaks['bf16'] / 1e9:.1f} GFLOP/s peak")
-    except RuntimeError as e:  # a CPU build without bf16 matmul kernels
-        progress(f"gemm bf16: not supported here ({e}); profile will have fp32 only")
-    bandwidth = measure_memory_bandwidth()
-    floor = measure_kernel_floor()
-    progress(f"memory: {bandwidth / 1e9:.1f} GB/s copy; kernel floor {floor * 1e6:.1f} us")
-    samples = []
-    for world in world_sizes:
-        progress(f"gloo collectives among {world} processes, {len(message_sizes)} sizes ...")
-        samples += [(k, world, n, t) for k, n, t in measure_collectives(world, message_sizes)]
-    latency, busbw, unfit = fit_collectives(samples)
-    if unfit:
-        progress(f"warning: no bandwidth signal for {unfit} (machine busy?); used S*f(n)/t")
-    error = statistics.median(
-        abs(latency + n * bus_factor(k, w) / busbw[k] - t) / t for k, w, n, t in samples
-    )
-    progress(
-        f"collectives: latency {latency * 1e6:.0f} us, busbw "
-        + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in busbw.items())
-        + f"; median fit error {error:.0%}"
-    )
-    profile = Profile(
-        name=Path(output).stem,
-        source=(
-            f"measured by `meshplan calibrate` on {platform.node()} ({platform.processor() or platform.machine()}, "
-            f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
-            f"square GEMMs {list(GEMM_SIZES)}, {len(message_sizes)} gloo message sizes "
-            f"{min(message_sizes)}..{max(message_sizes)} B among {list(world_sizes)} local processes, "
-            f"median relative error of the collective fit {error:.0%}"
-        ),
-        device_type="cpu",
-        peak_flops=peaks,
-        gemm_efficiency=[{"flops": f, "efficiency": min(1.0, r / peaks["fp32"])} for f, r in fp32],
-        memory_bytes=psutil.virtual_memory().total,
-        memory_bandwidth=bandwidth,
-        memory_efficiency=1.0,  # the measured copy bandwidth is already the achievable one
-        kernel_floor_s=floor,
-        levels=[{"name": "loopback", "devices": None, "busbw": busbw, "latency_s": latency}],
-    )
+    ranks = max(world_sizes)
+    sizes = sorted(set(world_sizes))
+    if any(ranks % g for g in sizes):
+        raise ValueError(f"world_sizes: every group size must divide the largest, got {sizes}")
+    progress(f"{ranks} gloo processes, 1 thread each: collectives in groups of {sizes} "
+             f"({len(message_sizes)} sizes), then GEMMs, copies and op dispatch in every rank at once ...")
+    profile = profile_from_job(Path(output).stem, measure_ranks(ranks, sizes, message_sizes),
+                               message_sizes, progress)
     Path(output).write_text(profile.model_dump_json(indent=2) + "\n")
     progress(f"wrote {output}")
     return profile
+
+
+def profile_from_job(
+    name: str,
+    result: dict[str, Any],
+    message_sizes: Sequence[int] = DEFAULT_MESSAGE_SIZES,
+    progress: Callable[[str], None] = print,
+) -> Profile:
+    """The Profile a ``measure_job`` result describes: per-group collective fits, the
+    typical rank's device constants."""
+    sizes = sorted(result["collectives"])
+    ranks = len(result["device"])
+    samples, groups = [], []
+    for g in sizes:
+        rows = [(k, g, n, t) for k, n, t in result["collectives"][g]]
+        samples += rows
+        latency, busbw, unfit = fit_group(rows)
+        if unfit:
+            progress(f"warning: no bandwidth signal for {unfit} among {g} (machine busy?); used S*f(n)/t")
+        groups.append({"size": g, "latency_s": latency, "busbw": busbw})
+        progress(f"  groups of {g}: " + ", ".join(
+            f"{k} {latency[k] * 1e6:.0f} us + {busbw[k] / 1e9:.2f} GB/s" for k in COLLECTIVE_KINDS))
+    device = _device_constants(result["device"])
+    peaks = {"fp32": max(r for _, r in device["fp32"])}
+    if "bf16" in device:
+        peaks["bf16"] = max(r for _, r in device["bf16"])
+    progress(
+        f"per rank ({ranks} at once, 1 thread each): GEMM "
+        + ", ".join(f"{d} {v / 1e9:.1f}" for d, v in peaks.items())
+        + f" GFLOP/s peak; copy {device['bandwidth'] / 1e9:.1f} GB/s; op dispatch "
+        f"{device['floor'] * 1e6:.1f} us, DTensor +{device['dtensor'] * 1e6:.1f} us"
+    )
+    latency, busbw, _ = fit_collectives(samples)
+    profile = Profile(
+        name=name,
+        source="",
+        device_type="cpu",
+        peak_flops=peaks,
+        gemm_efficiency=[{"flops": f, "efficiency": min(1.0, r / peaks["fp32"])} for f, r in device["fp32"]],
+        memory_bytes=psutil.virtual_memory().total // ranks,
+        memory_bandwidth=device["bandwidth"],
+        memory_efficiency=1.0,  # the measured copy bandwidth is already the achievable one
+        kernel_floor_s=device["floor"],
+        dtensor_op_overhead_s=device["dtensor"],
+        levels=[{"name": "loopback", "devices": None, "busbw": busbw, "latency_s": latency,
+                 "groups": groups}],
+    )
+    error = statistics.median(_relative_errors(profile, samples))
+    progress(f"collective model: median relative error {error:.0%} over {len(samples)} timings")
+    profile = profile.model_copy(update={"source": (
+        f"measured by `meshplan calibrate` on {platform.node()} ({platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
+        f"gloo job (GEMMs {list(GEMM_SIZES)}, {COPY_BYTES >> 20} MB copies and 1-element adds, plain and "
+        f"DTensor, timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
+        f"collectives: {len(message_sizes)} sizes {min(message_sizes)}..{max(message_sizes)} B in groups of "
+        f"{sizes} ranks of that job, all groups at once, medians of {_REPEATS} repeats (3 from 32 MB) of the slowest rank, "
+        f"latency and busbw fitted per group size (groups) and over all sizes (level default); "
+        f"median relative error of the collective model {error:.0%}"
+    )})
+    return profile
+
+
+def _relative_errors(profile: Profile, samples: Sequence[tuple[str, int, int, float]]) -> list[float]:
+    """|model - measured| / measured of every timing, through cost_model.comm itself."""
+    return [abs(collective_time(profile, k, n, (w,), 0) - t) / t for k, w, n, t in samples]

@@ -12,6 +12,9 @@ nccl-tests) is, per rank:
 * all_to_all: the whole send buffer of one rank (= its receive buffer);
 * send_recv: the message one rank sends.
 
+A level's ``groups`` (written by ``meshplan calibrate``) override its latency and
+busbw for a phase among exactly that many members.
+
 A group that spans several levels is costed hierarchically, one phase per level,
 innermost first: the phase at level ``l`` runs among the ``k_l`` group members
 that differ only at that level, on ``S / g_{l-1}`` bytes, where ``g_{l-1}`` is
@@ -71,6 +74,19 @@ def bus_factor(kind: str, n: int) -> float:
     return (n - 1) / n
 
 
+def _alpha_beta(level: NetworkLevel, kind: str, k: int) -> tuple[float, float]:
+    """(latency s, busbw B/s) of ``kind`` among ``k`` members at ``level``.
+
+    A calibration that measured exactly ``k`` ranks wins over the level's
+    size-independent constants: where ranks share cores or a link, neither
+    constant is independent of the group size.
+    """
+    for group in level.groups:
+        if group.size == k:
+            return getattr(group.latency_s, kind), getattr(group.busbw, kind)
+    return level.latency_s, getattr(level.busbw, kind)
+
+
 def _members_per_unit(levels: Sequence[NetworkLevel], size: int, stride: int) -> list[int]:
     """For each level, how many members of the group share one unit of that level.
 
@@ -98,51 +114,77 @@ def _check_mesh(profile: Profile, mesh_shape: Sequence[int], dim: int) -> None:
 
 
 def collective_time(
-    profile: Profile, kind: str, nbytes: float, mesh_shape: Sequence[int], dim: int
+    profile: Profile,
+    kind: str,
+    nbytes: float,
+    mesh_shape: Sequence[int],
+    dim: int,
+    latency: bool = True,
 ) -> float:
     """Seconds for collective ``kind`` of ``nbytes`` (see module doc) over mesh dim ``dim``.
 
     Ranks are laid out row-major over ``mesh_shape`` (the last dim holds adjacent
     ranks), so mesh dim ``dim`` groups ranks at stride ``prod(mesh_shape[dim+1:])``.
+    ``latency=False`` leaves out the fixed costs: for a tensor that travels in a
+    bucket with others (FSDP's per-module collectives), whose caller charges
+    ``collective_latency`` once per bucket.
     """
+    if nbytes < 0:
+        raise ValueError(f"nbytes: must be >= 0, got {nbytes}")
+    fixed, transfer = _phases(profile, kind, nbytes, mesh_shape, dim)
+    if nbytes == 0:
+        return 0.0
+    return (fixed if latency else 0.0) + transfer
+
+
+def collective_latency(profile: Profile, kind: str, mesh_shape: Sequence[int], dim: int) -> float:
+    """The fixed part of ``collective_time``: what one more collective costs, whatever its size."""
+    return _phases(profile, kind, 0.0, mesh_shape, dim)[0]
+
+
+def _phases(
+    profile: Profile, kind: str, nbytes: float, mesh_shape: Sequence[int], dim: int
+) -> tuple[float, float]:
+    """(fixed seconds, transfer seconds) of one collective, level by level."""
     _check_mesh(profile, mesh_shape, dim)
     if kind not in COLLECTIVE_KINDS:  # checked before the trivial-group shortcut
         raise ValueError(f"kind: unknown collective {kind!r}; expected one of {COLLECTIVE_KINDS}")
-    if nbytes < 0:
-        raise ValueError(f"nbytes: must be >= 0, got {nbytes}")
     n = int(mesh_shape[dim])
-    if n == 1 or nbytes == 0:
-        return 0.0
+    if n == 1:
+        return 0.0, 0.0
     stride = math.prod(int(s) for s in mesh_shape[dim + 1 :])
     per_unit = _members_per_unit(profile.levels, n, stride)
 
     if kind == "all_to_all":
-        slowest, latency, inner = 0.0, 0.0, 1
+        slowest, fixed, inner = 0.0, 0.0, 1
         for level, g in zip(profile.levels, per_unit, strict=True):
             if g > inner:
+                lat, bw = _alpha_beta(level, kind, g)
                 remote = nbytes * (g - inner) / n  # bytes this rank sends over this level
-                slowest = max(slowest, remote / level.busbw.all_to_all)
-                latency = level.latency_s
+                slowest = max(slowest, remote / bw)
+                fixed = lat
             inner = g
             if g == n:
                 break
-        return latency + slowest
+        return fixed, slowest
 
     if kind == "send_recv":
         # The slowest pair bounds a pipeline: the outermost level the group reaches.
         level = next(lv for lv, g in zip(profile.levels, per_unit, strict=True) if g == n)
-        return level.latency_s + nbytes / level.busbw.send_recv
+        lat, bw = _alpha_beta(level, kind, n)  # n ranks exchanging at once, as calibrated
+        return lat, nbytes / bw
 
-    total, inner = 0.0, 1
+    fixed, transfer, inner = 0.0, 0.0, 1
     for level, g in zip(profile.levels, per_unit, strict=True):
         k = math.ceil(g / inner)  # members that differ only at this level (ceil: 6 = 4 + 2)
         if k > 1:
-            bw = getattr(level.busbw, kind)
-            total += level.latency_s + (nbytes / inner) * bus_factor(kind, k) / bw
+            lat, bw = _alpha_beta(level, kind, k)
+            fixed += lat
+            transfer += (nbytes / inner) * bus_factor(kind, k) / bw
         inner = g
         if g == n:
             break
-    return total
+    return fixed, transfer
 
 
 # Same grammar as planner.schema.PLACEMENT_RE; not imported from there because the

@@ -31,11 +31,27 @@ def peak_flops(profile: Profile, dtype: str) -> float:
         ) from None
 
 
-def op_time(profile: Profile, flops: float, bytes_accessed: float, dtype: str = "bf16") -> float:
-    """Seconds for one kernel: max(compute time, memory time), at least the kernel floor.
+def host_time(profile: Profile, dtensor: bool = False) -> float:
+    """Host seconds to issue one eager op: dispatch + launch, plus DTensor's wrapper."""
+    return profile.kernel_floor_s + (profile.dtensor_op_overhead_s if dtensor else 0.0)
 
-    Free ops (views, metadata: no FLOPs and no bytes) cost 0 so that the planner
-    does not charge launch overhead for reshapes that never launch a kernel.
+
+def op_time(
+    profile: Profile,
+    flops: float,
+    bytes_accessed: float,
+    dtype: str = "bf16",
+    dtensor: bool = False,
+) -> float:
+    """Seconds for one eager op: the roofline of its kernel and the host time to issue it.
+
+    On a GPU the host enqueues kernels asynchronously, so issuing overlaps the
+    device's work and the op takes the longer of the two (a tiny kernel pays the
+    launch floor).  On a CPU the same thread dispatches and then runs the kernel,
+    so the two add up.  ``dtensor``: the operands are DTensors, whose Python-level
+    dispatch (``dtensor_op_overhead_s``) adds host time per op.
+    Free ops (views, metadata: no FLOPs and no bytes) cost 0: they launch no kernel,
+    and their host dispatch is not modelled (see docs/cost_model.md).
     """
     if flops < 0 or bytes_accessed < 0:
         raise ValueError(f"op_time: flops={flops} and bytes_accessed={bytes_accessed} must be >= 0")
@@ -45,7 +61,10 @@ def op_time(profile: Profile, flops: float, bytes_accessed: float, dtype: str = 
         flops / (gemm_efficiency(profile, flops) * peak_flops(profile, dtype)) if flops else 0.0
     )
     memory = bytes_accessed / (profile.memory_efficiency * profile.memory_bandwidth)
-    return max(compute, memory, profile.kernel_floor_s)
+    host = host_time(profile, dtensor)
+    if profile.device_type == "cpu":
+        return host + max(compute, memory)
+    return max(compute, memory, host)
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:

@@ -38,8 +38,35 @@ class CollectiveBandwidth(_Strict):
     send_recv: PositiveFloat = Field(description="point-to-point bandwidth of one pair, B/s")
 
 
+class CollectiveLatency(_Strict):
+    """Fixed cost of one collective per kind, s (gloo's algorithms differ per kind)."""
+
+    all_reduce: float = Field(ge=0, description="all-reduce latency, s")
+    all_gather: float = Field(ge=0, description="all-gather latency, s")
+    reduce_scatter: float = Field(ge=0, description="reduce-scatter latency, s")
+    all_to_all: float = Field(ge=0, description="all-to-all latency, s")
+    send_recv: float = Field(ge=0, description="point-to-point latency of one pair, s")
+
+
+class GroupFit(_Strict):
+    """Latency and bus bandwidth measured for one group size at this level.
+
+    Bus bandwidth is size-independent only for a ring on dedicated links; processes
+    sharing cores (or a switch's arbitration) make both constants depend on how many
+    ranks take part, so a calibration records them per measured group size.
+    """
+
+    size: int = Field(ge=2, description="ranks in the group these constants were measured with")
+    latency_s: CollectiveLatency = Field(description="fixed cost per collective kind, s")
+    busbw: CollectiveBandwidth = Field(description="bus bandwidth per collective kind, B/s")
+
+
 class NetworkLevel(_Strict):
-    """One level of the network hierarchy (NVLink inside a node, InfiniBand across)."""
+    """One level of the network hierarchy (NVLink inside a node, InfiniBand across).
+
+    ``latency_s`` and ``busbw`` hold for any group size; ``groups`` may override
+    them for the group sizes a calibration measured (see cost_model.comm).
+    """
 
     name: str = Field(min_length=1, description="label, e.g. nvlink, ib, loopback")
     devices: int | None = Field(
@@ -49,6 +76,19 @@ class NetworkLevel(_Strict):
     )
     busbw: CollectiveBandwidth = Field(description="achieved bus bandwidth per collective kind")
     latency_s: float = Field(ge=0, description="fixed cost of one collective at this level, s")
+    groups: list[GroupFit] = Field(
+        default_factory=list,
+        description="measured constants per group size; a phase among exactly `size` "
+        "members uses them instead of latency_s / busbw",
+    )
+
+    @field_validator("groups")
+    @classmethod
+    def _distinct_sizes(cls, groups: list[GroupFit]) -> list[GroupFit]:
+        sizes = [g.size for g in groups]
+        if len(sizes) != len(set(sizes)):
+            raise ValueError(f"group sizes must be distinct, got {sizes}")
+        return groups
 
 
 class GemmPoint(_Strict):
@@ -73,7 +113,17 @@ class Profile(_Strict):
     memory_bytes: int = Field(gt=0, description="memory capacity per device, bytes")
     memory_bandwidth: PositiveFloat = Field(description="peak memory bandwidth per device, B/s")
     memory_efficiency: Fraction = Field(description="achievable fraction of memory_bandwidth")
-    kernel_floor_s: float = Field(ge=0, description="minimum time of any non-free kernel, s")
+    kernel_floor_s: float = Field(
+        ge=0,
+        description="host time to issue one eager op that runs a kernel (dispatcher + "
+        "launch), s; the least any non-free op takes",
+    )
+    dtensor_op_overhead_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="extra host time per op whose operands are DTensors (sharding "
+        "propagation, unwrapping and rewrapping), s",
+    )
     levels: list[NetworkLevel] = Field(min_length=1, description="network levels, innermost first")
 
     @field_validator("gemm_efficiency")

@@ -15,7 +15,8 @@ Assumptions (each is what the executor's runtime does, or a stated simplificatio
 * Pipeline: step = m * t_max + bubble, bubble = (sum(t) - t_max) / v (Alpa's
   "sum of stages + (m - 1) * slowest", GPipe and 1F1B alike; interleaving with
   v virtual stages per rank divides the fill/drain by v, Narayanan et al. 2021).
-* The optimizer step runs after everything, per device, unoverlapped.
+* The optimizer step runs after everything, per device, unoverlapped, including the
+  reductions of gradients left Partial (``partial_grad_time``).
 
 ``step_time_s = compute_s + exposed_communication_s + pipeline_bubble_s + optimizer_s``;
 ``resharding_s`` is the blocking part of ``exposed_communication_s``.
@@ -26,8 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from cost_model.comm import collective_latency, collective_time
 from cost_model.compute import op_time
-from cost_model.memory import Schedule, model_state_bytes
+from cost_model.memory import Schedule, model_state_bytes, state_bytes_per_param
 from cost_model.profile import Profile
 
 
@@ -132,11 +134,90 @@ def compose_step(
 
 
 def optimizer_time(
-    profile: Profile, params: float, optimizer: str = "adam-mixed", shard_degree: int = 1
+    profile: Profile,
+    params: float,
+    optimizer: str = "adam-mixed",
+    shard_degree: int = 1,
+    tensors: int = 1,
+    dtensor: bool = False,
 ) -> float:
     """Seconds of ``optimizer.step()`` over ``params`` (before FSDP sharding) on one device.
 
-    Element-wise and memory bound: the update's bytes (memory.OPTIMIZERS) over
-    achievable bandwidth; each FSDP rank updates only its shard.
+    The update is ``update_ops`` element-wise ops per parameter tensor
+    (memory.OPTIMIZERS), each an eager op (``compute.op_time``) moving its share of
+    the update's bytes: memory bound for big tensors, dispatch bound for the many
+    small ones (norm weights, biases), and much more so when the parameters are
+    DTensors (``dtensor``), whose every op pays DTensor's host-side dispatch.
+    ``tensors`` is how many parameter tensors the device updates; each FSDP rank
+    updates only its shard of every tensor.
     """
-    return op_time(profile, 0, model_state_bytes(params, optimizer, shard_degree).update_traffic)
+    if tensors < 1:
+        raise ValueError(f"tensors: must be >= 1, got {tensors}")
+    per = state_bytes_per_param(optimizer)
+    traffic = model_state_bytes(params, optimizer, shard_degree).update_traffic
+    ops = tensors * per.update_ops
+    return ops * op_time(profile, 0, traffic / ops, dtensor=dtensor)
+
+
+def partial_grad_time(
+    profile: Profile,
+    mesh_shape: Sequence[int],
+    partial: Sequence[tuple[str, float, int]],
+    optimizer: str = "adam-mixed",
+) -> float:
+    """Seconds ``optimizer.step()`` spends reducing gradients that are still Partial.
+
+    ``partial``: per parameter tensor and mesh dim on which its gradient is a
+    pending sum, (collective that resolves it: ``all_reduce`` to a replicated or
+    ``reduce_scatter`` to a sharded parameter, local gradient bytes, mesh dim).
+    DTensor reduces a Partial operand each time an op reads it and keeps nothing,
+    so an update whose ops read the gradient ``update_grad_reads`` times (AdamW's
+    per-tensor path: 3) reduces it that many times, unoverlapped, after the backward.
+    """
+    reads = state_bytes_per_param(optimizer).update_grad_reads
+    return reads * sum(
+        collective_time(profile, kind, nbytes, mesh_shape, dim) for kind, nbytes, dim in partial
+    )
+
+
+def bucket_latency(
+    profile: Profile,
+    mesh_shape: Sequence[int],
+    data_dims: Sequence[int],
+    fsdp: bool,
+    modules: int,
+    microbatches: int = 1,
+) -> tuple[float, float]:
+    """(parameter-gather, gradient-reduction) latency per step of ``modules`` FSDP units.
+
+    FSDP2 (which also runs replicate-mode data parallelism, as HSDP) issues one
+    collective per module for all its parameters, so the fixed cost of a collective
+    is paid per module, not per parameter: per micro-batch a gather in the forward
+    and a re-gather in the backward, and one reduction per step.
+    """
+    gather = reduce = 0.0
+    for dim in data_dims:
+        if mesh_shape[dim] == 1:
+            continue
+        if fsdp:
+            gather += 2 * microbatches * modules * collective_latency(
+                profile, "all_gather", mesh_shape, dim)
+        kind = "reduce_scatter" if fsdp else "all_reduce"
+        reduce += modules * collective_latency(profile, kind, mesh_shape, dim)
+    return gather, reduce
+
+
+def output_gather_time(
+    profile: Profile, mesh_shape: Sequence[int], data_dims: Sequence[int], output_bytes: float
+) -> float:
+    """Seconds per micro-batch to hand the loop single-device results under data parallelism.
+
+    ``executor.data`` all-gathers every batch-shaped output (``output_bytes``: the
+    gathered size, e.g. the logits of the global micro-batch) over the data-parallel
+    dims and all-reduces the scalar loss; both block the step.
+    """
+    return sum(
+        collective_time(profile, "all_gather", output_bytes, mesh_shape, dim)
+        + collective_time(profile, "all_reduce", 4, mesh_shape, dim)
+        for dim in data_dims
+    )

@@ -19,9 +19,9 @@ import networkx as nx
 
 from cost_model.comm import collective_time
 from cost_model.memory import inflight_microbatches, state_bytes_per_param, usable_bytes
-from cost_model.step import StageCost, StepBreakdown, compose_step, optimizer_time
+from cost_model.step import StageCost, StepBreakdown, bucket_latency, compose_step, optimizer_time
 from planner.ilp import Solution
-from planner.strategies import Context, Unit
+from planner.strategies import Context, Unit, output_gather_s
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class Stage:
     last: bool
     cost: StageCost
     memory: float
+    state_bytes: float  # the model states (weights, grads, optimizer) part of memory
 
 
 def _first_nodes(graph: nx.DiGraph) -> set[str]:
@@ -109,23 +110,28 @@ def split_parts(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: So
         per_layer = per_layer + part * (w["layer"] / total / layers)
         first = first + part * (w["first"] / total)
         last = last + part * (w["last"] / total)
-    return per_layer, first, last
+    return per_layer, first, last + Part(blocking_s=output_gather_s(ctx, graph))
 
 
 def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, last: Part,
-           schedule: str, virtual: int, p2p_s: float) -> tuple[StageCost, float]:
+           schedule: str, virtual: int, p2p_s: float) -> tuple[StageCost, float, float]:
+    """(cost, memory, model-state bytes) of stage ``index`` holding ``n`` layers."""
     part = layer * n + (first if index == 0 else Part()) + (last if index == pp - 1 else Part())
     fwd = part.compute_s / (4 if ctx.checkpointing == "full" else 3)
+    # per micro-batch, one FSDP2 unit per layer plus the stage's root (cost_model.step.bucket_latency)
+    gather_lat, reduce_lat = bucket_latency(
+        ctx.profile, ctx.mesh_shape, [i for i, d in enumerate(ctx.mesh_names) if d == "dp"],
+        "dp" in ctx.fsdp, n + 1)
     cost = StageCost(
         forward_compute_s=fwd, backward_compute_s=part.compute_s - fwd,
-        blocking_comm_s=part.blocking_s, gather_forward_s=part.gather_s / 2,
-        gather_backward_s=part.gather_s / 2, p2p_s=p2p_s * virtual,
-        grad_reduce_s=part.grad_sync_s, layers=max(n, 1),
+        blocking_comm_s=part.blocking_s, gather_forward_s=(part.gather_s + gather_lat) / 2,
+        gather_backward_s=(part.gather_s + gather_lat) / 2, p2p_s=p2p_s * virtual,
+        grad_reduce_s=part.grad_sync_s + reduce_lat, layers=max(n, 1),
         optimizer_s=optimizer_time(ctx.profile, part.state_bytes / state_bytes_per_param(ctx.optimizer).total,
                                    ctx.optimizer),
     )
     inflight = inflight_microbatches(schedule, pp, ctx.microbatches, index, virtual)
-    return cost, part.state_bytes + part.act_bytes * inflight
+    return cost, part.state_bytes + part.act_bytes * inflight, part.state_bytes
 
 
 def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last: Part,
@@ -133,9 +139,9 @@ def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last
     """Contiguous layer counts per stage minimising the slowest stage that fits (DP)."""
     budget = usable_bytes(ctx.profile)
     inf = (math.inf, None)
-    memo: dict[tuple[int, int], tuple[StageCost, float]] = {}
+    memo: dict[tuple[int, int], tuple[StageCost, float, float]] = {}
 
-    def stage(i: int, n: int) -> tuple[StageCost, float]:
+    def stage(i: int, n: int) -> tuple[StageCost, float, float]:
         if (i, n) not in memo:  # layers are identical: a stage is its index and size
             memo[i, n] = _stage(ctx, pp, i, n, layer, first, last, schedule, virtual, p2p_s)
         return memo[i, n]
@@ -152,7 +158,7 @@ def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last
                     continue
                 if n % virtual:
                     continue
-                cost, mem = stage(i, n)
+                cost, mem, _ = stage(i, n)
                 if mem > budget:
                     continue
                 t = cost.forward_compute_s + cost.backward_compute_s + cost.blocking_comm_s
@@ -164,8 +170,8 @@ def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last
         return None
     stages, start = [], 0
     for i, n in enumerate(counts):
-        cost, mem = stage(i, n)
-        stages.append(Stage((start, start + n), i == 0, i == pp - 1, cost, mem))
+        cost, mem, state = stage(i, n)
+        stages.append(Stage((start, start + n), i == 0, i == pp - 1, cost, mem, state))
         start += n
     return stages
 

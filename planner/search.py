@@ -26,7 +26,14 @@ import networkx as nx
 from cost_model.compute import peak_flops
 from cost_model.memory import state_bytes_per_param, usable_bytes
 from cost_model.profile import Profile, load_profile
-from cost_model.step import StageCost, StepBreakdown, compose_step, optimizer_time
+from cost_model.step import (
+    StageCost,
+    StepBreakdown,
+    bucket_latency,
+    compose_step,
+    optimizer_time,
+    partial_grad_time,
+)
 from planner.ilp import InfeasibleError, Solution, min_memory, solve, tensors
 from planner.pipeline import SCHEDULES, Stage, best_pipeline, stage_modules
 from planner.presets import load_config
@@ -50,11 +57,13 @@ from planner.schema import (
 )
 from planner.strategies import (
     REDUCING_OPS,
+    Choice,
     Context,
     Unit,
     build_units,
     canonical_map,
     concrete,
+    output_gather_s,
 )
 from planner.tracer import totals, trace
 
@@ -118,20 +127,61 @@ def _prediction(ctx: Context, graph: nx.DiGraph, b: StepBreakdown, state: Sequen
     )
 
 
+def _partial_grads(ctx: Context, graph: nx.DiGraph, chosen: Sequence[Choice]
+                   ) -> list[tuple[str, float, int]]:
+    """(collective, local gradient bytes, mesh dim) per gradient left Partial on a dim.
+
+    The executor leaves these to DTensor, which reduces them in the optimizer:
+    * a parameter replicated on a model-parallel dim meets activations (or their
+      gradients) split over that dim: a pending sum there (all-reduce to R).
+      Parameters no anchor places (norm weights) are replicated everywhere;
+    * without sequence parallelism on a dim, the residual stream's gradient stays a
+      pending sum (column-parallel inputs' gradients are), so a row-parallel weight's
+      gradient, computed from it, is Partial too, at full size (reduce-scatter to S).
+    """
+    placed = {fqn_pattern(f): pl for c in chosen for f, pl in c.weights.items()}
+    rowwise = {fqn_pattern(f): [i for i, k in zip(ctx.free_dims, c.name.split("+")) if k == "row"]
+               for c in chosen for f in c.weights}
+    sequence = {i for c in chosen for i in ctx.free_dims if c.out[i] == "Q"}
+    per = state_bytes_per_param(ctx.optimizer)
+    out = []
+    for fqn, shape in graph.graph["param_shapes"].items():
+        pl = placed.get(fqn_pattern(fqn), ("R",) * len(ctx.mesh_shape))
+        for i in ctx.free_dims:
+            if ctx.mesh_shape[i] == 1:
+                continue
+            if pl[i] == "R":
+                kind = "all_reduce"
+            elif i in rowwise.get(fqn_pattern(fqn), ()) and i not in sequence:
+                kind = "reduce_scatter"
+            else:
+                continue
+            shards = math.prod(n for j, (n, p) in enumerate(zip(ctx.mesh_shape, pl))
+                               if p.startswith("S(") and j != i)
+            out.append((kind, math.prod(shape) / shards * per.grads, i))
+    return out
+
+
 def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution) -> Prediction:
     """Step time and memory of a solved assignment without pipelining (``cost_model.step``)."""
     chosen = sol.choice.values()
     m = ctx.microbatches
     compute = sum(c.compute_s for c in chosen)
-    gather = sum(c.gather_s for c in chosen)
+    data_dims = [i for i, n in enumerate(ctx.mesh_names) if n == "dp"]
+    # executor.apply: one FSDP2 unit per layer plus the root, each moving its parameters in one collective
+    gather_lat, reduce_lat = bucket_latency(ctx.profile, ctx.mesh_shape, data_dims, "dp" in ctx.fsdp,
+                                            graph.graph["layers"] + 1, m)
+    gather = sum(c.gather_s for c in chosen) + gather_lat
     state = [sum(c.state[i] for c in chosen) for i in range(3)]
     fwd = compute / (4 if ctx.checkpointing == "full" else 3)  # backward = 2x forward (+ recompute)
     stage = StageCost(
         forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m,
-        blocking_comm_s=sol.reshard_s / m, gather_forward_s=gather / (2 * m),
-        gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen),
+        blocking_comm_s=sol.reshard_s / m + output_gather_s(ctx, graph), gather_forward_s=gather / (2 * m),
+        gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen) + reduce_lat,
         optimizer_s=optimizer_time(ctx.profile, sum(state) / state_bytes_per_param(ctx.optimizer).total,
-                                   ctx.optimizer),
+                                   ctx.optimizer, tensors=max(len(graph.graph["param_shapes"]), 1),
+                                   dtensor=math.prod(ctx.mesh_shape) > 1)  # executor.apply: DTensor params
+        + partial_grad_time(ctx.profile, ctx.mesh_shape, _partial_grads(ctx, graph, list(chosen)), ctx.optimizer),
         layers=max(graph.graph["layers"], 1),
     )
     acts = sum(c.act_bytes for c in chosen)
@@ -165,8 +215,8 @@ def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dic
         raise InfeasibleError(f"no split of {graph.graph['layers']} layers into {pp} stages fits")
     stages, schedule, virtual, b = found
     heavy = max(stages, key=lambda st: st.memory)
-    share = (heavy.layers[1] - heavy.layers[0]) / graph.graph["layers"]
-    state = [sum(c.state[i] for c in sol.choice.values()) * share for i in range(3)]
+    whole = [sum(c.state[i] for c in sol.choice.values()) for i in range(3)]
+    state = [w * heavy.state_bytes / sum(whole) for w in whole]  # the stage's states, split as the model's
     pred = _prediction(ctx, graph, b, state, heavy.memory - sum(state),
                        pp * math.prod(ctx.mesh_shape))
     return Candidate(ctx, units, sol, pred, pp, stages, schedule, virtual)

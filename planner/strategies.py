@@ -145,11 +145,13 @@ def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int) -
     forward + backward (+ recompute under full checkpointing)."""
     total = 0.0
     scale = ctx.act_itemsize / 4  # traced in fp32
+    # the executor runs activations as DTensors on the model (non-dp) mesh dims
+    dtensor = any(ctx.mesh_shape[i] > 1 for i in ctx.free_dims)
     for d, mult in nodes:
         fwd, bwd, nbytes = _scaled(ctx, d)
         nbytes *= scale
-        t_f = op_time(ctx.profile, fwd / shards, nbytes / shards, ctx.dtype) if (fwd or nbytes) else 0.0
-        t_b = op_time(ctx.profile, bwd / shards, nbytes / shards, ctx.dtype) if (bwd or nbytes) else 0.0
+        t_f = op_time(ctx.profile, fwd / shards, nbytes / shards, ctx.dtype, dtensor) if (fwd or nbytes) else 0.0
+        t_b = op_time(ctx.profile, bwd / shards, nbytes / shards, ctx.dtype, dtensor) if (bwd or nbytes) else 0.0
         recompute = t_f if ctx.checkpointing == "full" else 0.0
         total += mult * (t_f + t_b + recompute)
     return total * ctx.microbatches
@@ -225,13 +227,17 @@ def _param_state(ctx: Context, shape: Sequence[int], placements: Sequence[str]
     for i, (name, p) in enumerate(zip(ctx.mesh_names, placements)):
         if p != "R" or ctx.mesh_shape[i] == 1:
             continue
+        # FSDP2 moves a module's parameters in one collective: the latency is charged
+        # per module (cost_model.step.bucket_latency), only the bytes per parameter
         if i in fsdp:
-            sync += collective_time(ctx.profile, "reduce_scatter", grad_bytes, ctx.mesh_shape, i)
+            sync += collective_time(ctx.profile, "reduce_scatter", grad_bytes, ctx.mesh_shape, i,
+                                    latency=False)
             # forward gather + backward re-gather (reshard_after_forward), every micro-batch
             gather += 2 * ctx.microbatches * collective_time(
-                ctx.profile, "all_gather", local * per.weights, ctx.mesh_shape, i)
+                ctx.profile, "all_gather", local * per.weights, ctx.mesh_shape, i, latency=False)
         elif name == "dp":
-            sync += collective_time(ctx.profile, "all_reduce", grad_bytes, ctx.mesh_shape, i)
+            sync += collective_time(ctx.profile, "all_reduce", grad_bytes, ctx.mesh_shape, i,
+                                    latency=False)
     return state, sync, gather
 
 
@@ -379,3 +385,16 @@ def build_units(ctx: Context, graph: nx.DiGraph) -> tuple[dict[str, Unit], dict[
             unit.choices = segment_choices(ctx, graph, members)
         units[key] = unit
     return units, unit_of
+
+
+def output_gather_s(ctx: Context, graph: nx.DiGraph) -> float:
+    """Seconds per micro-batch executor.data spends making the outputs global over the
+    data-parallel dims (cost_model.step.output_gather_time); the outputs are the
+    graph's sinks, traced per sequence."""
+    from cost_model.step import output_gather_time
+
+    per_seq = sum(d["out_numel"] for n, d in graph.nodes(data=True)
+                  if d["kind"] == "call_function" and d["shape"] and graph.out_degree(n) == 0)
+    data_dims = [i for i, name in enumerate(ctx.mesh_names) if name == "dp"]
+    return output_gather_time(ctx.profile, ctx.mesh_shape, data_dims,
+                              per_seq * ctx.microbatch * ctx.act_itemsize)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cost_model.calibrate import calibrate, fit_collectives
+from cost_model.calibrate import calibrate, fit_collectives, fit_group
 from cost_model.comm import bus_factor, collective_time
 from cost_model.profile import COLLECTIVE_KINDS, load_profile
 
@@ -38,9 +38,23 @@ def test_fit_falls_back_when_noise_hides_the_bandwidth():
     assert busbw["all_reduce"] == pytest.approx(1e9 / bus_factor("all_reduce", 2), rel=1e-6)
 
 
+def test_group_fit_recovers_a_latency_per_kind():
+    latency = {k: (i + 1) * 1e-4 for i, k in enumerate(COLLECTIVE_KINDS)}
+    busbw = {k: (i + 1) * 1e9 for i, k in enumerate(COLLECTIVE_KINDS)}
+    samples = [(k, 4, n, latency[k] + n * bus_factor(k, 4) / busbw[k])
+               for k in COLLECTIVE_KINDS for n in (2**16, 2**20, 2**23, 2**26)]
+    got_latency, got_busbw, unfit = fit_group(samples)
+    assert unfit == []
+    for k in COLLECTIVE_KINDS:
+        assert got_latency[k] == pytest.approx(latency[k], rel=1e-6)
+        assert got_busbw[k] == pytest.approx(busbw[k], rel=1e-6)
+
+
 def test_calibrate_argument_errors(tmp_path):
     with pytest.raises(ValueError, match="world_sizes"):
         calibrate(tmp_path / "x.json", world_sizes=(1,))
+    with pytest.raises(ValueError, match=r"world_sizes: every group size must divide the largest, got \[3, 4\]"):
+        calibrate(tmp_path / "x.json", world_sizes=(3, 4))
     with pytest.raises(ValueError, match="message_sizes"):
         calibrate(tmp_path / "x.json", message_sizes=(2**16,))
 
@@ -55,7 +69,14 @@ def test_calibrate_small_run_writes_a_loadable_profile(tmp_path):
     assert profile.name == "here" and profile.device_type == "cpu"
     assert profile.peak_flops["fp32"] > 1e9  # any CPU that runs torch does a GFLOP/s
     assert all(0 < p.efficiency <= 1 for p in profile.gemm_efficiency)
-    assert any("among 2 processes" in m for m in messages) and messages[-1].startswith("wrote")
+    # eager dispatch costs a CPU rank between a tenth of a microsecond and a millisecond
+    assert 1e-7 < profile.kernel_floor_s < 1e-3 and profile.dtensor_op_overhead_s < 1e-2
+    # the 2-process group was measured and is what comm uses for it
+    (level,) = profile.levels
+    assert [g.size for g in level.groups] == [2]
+    assert any("groups of [2]" in m for m in messages) and messages[-1].startswith("wrote")
     # the fitted profile predicts a 1 MB all-reduce between 2 processes within an order of magnitude
     t = collective_time(profile, "all_reduce", 2**20, [2], 0)
     assert 1e-6 < t < 1.0
+    group = level.groups[0]
+    assert t == pytest.approx(group.latency_s.all_reduce + 2**20 / group.busbw.all_reduce)

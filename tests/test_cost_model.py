@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from cost_model.comm import (
     backward_placements,
     bus_factor,
+    collective_latency,
     collective_time,
     local_shape,
     redistribute_cost,
@@ -30,7 +31,16 @@ from cost_model.memory import (
 )
 from cost_model.model_spec import ModelSpec, mfu, training_flops
 from cost_model.profile import Profile, load_profile, shipped_profiles
-from cost_model.step import StageCost, StepBreakdown, compose_step, exposed, optimizer_time
+from cost_model.step import (
+    StageCost,
+    StepBreakdown,
+    bucket_latency,
+    compose_step,
+    exposed,
+    optimizer_time,
+    output_gather_time,
+    partial_grad_time,
+)
 
 GB = 1e9
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -127,6 +137,11 @@ def test_profile_structure_errors(tmp_path):
     not_nested["levels"][1]["devices"] = 6  # not a multiple of 4
     with pytest.raises(ValidationError, match="levels.1.devices"):
         load_profile(not_nested)
+    twice = copy.deepcopy(TOY)
+    group = {"size": 2, "latency_s": {k: 1e-5 for k in KINDS}, "busbw": {k: GB for k in KINDS}}
+    twice["levels"][0]["groups"] = [group, group]
+    with pytest.raises(ValidationError, match=r"levels.0.groups[\s\S]*distinct, got \[2, 2\]"):
+        load_profile(twice)
     unsorted = copy.deepcopy(TOY)
     unsorted["gemm_efficiency"].reverse()
     with pytest.raises(ValidationError, match="increasing flops"):
@@ -163,6 +178,19 @@ def test_op_time_monotone_in_flops_and_bytes(toy):
     assert times == sorted(times)
     times = [op_time(toy, 0, b) for b in sizes]
     assert times == sorted(times)
+
+
+def test_op_time_host_overlaps_a_gpu_and_adds_on_a_cpu(toy):
+    dt = load_profile({**TOY, "dtensor_op_overhead_s": 20e-6})
+    # GPU: the host issues asynchronously; a tiny op costs the host time, a big one its kernel
+    assert op_time(dt, 10, 10, dtensor=True) == pytest.approx(25e-6)
+    assert op_time(dt, 1e11, 0, dtensor=True) == op_time(toy, 1e11, 0)
+    assert op_time(dt, 10, 10) == 5e-6  # plain tensors: no DTensor dispatch
+    # CPU: one thread dispatches, then runs the kernel, so the host time adds to the roofline
+    cpu = load_profile({**TOY, "device_type": "cpu", "dtensor_op_overhead_s": 20e-6})
+    assert op_time(cpu, 1e11, 0) == pytest.approx(5e-6 + 1e11 / 80e12)
+    assert op_time(cpu, 0, 1e10, dtensor=True) == pytest.approx(25e-6 + 1e10 / 1e12)
+    assert op_time(cpu, 0, 0, dtensor=True) == 0.0  # views still launch nothing
 
 
 # -- collectives --------------------------------------------------------------------
@@ -209,6 +237,23 @@ def test_collective_hierarchical_split(toy):
     # send/recv: the pipeline is bounded by its slowest (inter-node) pair
     assert collective_time(toy, "send_recv", s, [2, 4], 0) == pytest.approx(1e-4 + s / 10e9)
     assert collective_time(toy, "send_recv", s, [4, 2], 1) == pytest.approx(1e-5 + s / 100e9)
+
+
+def test_measured_group_sizes_override_the_level_constants(toy):
+    measured = copy.deepcopy(TOY)
+    measured["levels"][0]["groups"] = [
+        {"size": 4, "latency_s": {k: 1e-3 for k in KINDS}, "busbw": {k: 1 * GB for k in KINDS}}]
+    p = load_profile(measured)
+    s = 2**20
+    # 4 members at the inner level: the measured constants, per kind
+    assert collective_time(p, "all_gather", s, [4], 0) == pytest.approx(1e-3 + s * 0.75 / GB)
+    # 2 members: no measurement for that size, the level's defaults
+    assert collective_time(p, "all_gather", s, [2, 2], 0) == collective_time(toy, "all_gather", s, [2, 2], 0)
+    # hierarchical: the inner phase among 4 uses the group, the outer phase the ib defaults
+    assert collective_time(p, "all_reduce", s, [8], 0) == pytest.approx(
+        1e-3 + s * 1.5 / GB + 1e-4 + (s / 4) * 1.0 / (10 * GB))
+    # a pipeline's send/recv among 4 ranks at once uses the 4-rank constants
+    assert collective_time(p, "send_recv", s, [4], 0) == pytest.approx(1e-3 + s / GB)
 
 
 def test_dim_spanning_nodes_costs_more(toy):
@@ -592,9 +637,24 @@ def test_compose_step_pipeline_bubble():
 
 
 def test_optimizer_time(toy):
-    # mixed Adam moves 28 B/param; FSDP over 4 divides it
+    # mixed Adam moves 28 B/param in one fused op; FSDP over 4 divides it
     assert optimizer_time(toy, 1e9) == pytest.approx(28e9 / 1e12)
     assert optimizer_time(toy, 1e9, shard_degree=4) == pytest.approx(7e9 / 1e12)
+    with pytest.raises(ValueError, match="tensors"):
+        optimizer_time(toy, 1e9, tensors=0)
+
+
+def test_optimizer_time_counts_torch_adamw_ops_per_tensor():
+    # torch.optim.AdamW's per-tensor path on CPU: 9 ops per tensor moving 80 B/param in all
+    cpu = load_profile({**TOY, "device_type": "cpu", "dtensor_op_overhead_s": 20e-6})
+    bw = 0.5 * 2e12
+    assert optimizer_time(cpu, 1e6, "adam-fp32", tensors=10) == pytest.approx(90 * 5e-6 + 80e6 / bw)
+    # DTensor parameters pay DTensor's dispatch on each of the 90 ops
+    assert optimizer_time(cpu, 1e6, "adam-fp32", tensors=10, dtensor=True) == pytest.approx(
+        90 * 25e-6 + 80e6 / bw)
+    # many small tensors cost more than one big one of the same size
+    assert optimizer_time(cpu, 1e6, "adam-fp32", tensors=100) > optimizer_time(
+        cpu, 1e6, "adam-fp32", tensors=1)
 
 
 def test_gpu_profiles_describe_8_gpu_nodes_on_infiniband():
@@ -605,3 +665,38 @@ def test_gpu_profiles_describe_8_gpu_nodes_on_infiniband():
         assert nvlink.busbw.all_reduce > 4 * ib.busbw.all_reduce, name
         assert 46e9 <= ib.busbw.all_reduce <= 49e9, name
         assert p.gemm_efficiency[-1].efficiency <= 0.9, name  # never the full datasheet peak
+
+
+def test_collective_latency_is_the_fixed_part(toy):
+    s = 2**24
+    for kind in KINDS:
+        for mesh, dim in (([4], 0), ([8], 0), ([2, 4], 0)):
+            lat = collective_latency(toy, kind, mesh, dim)
+            assert collective_time(toy, kind, s, mesh, dim) == pytest.approx(
+                lat + collective_time(toy, kind, s, mesh, dim, latency=False))
+    assert collective_latency(toy, "all_reduce", [8], 0) == pytest.approx(1e-5 + 1e-4)  # two phases
+    assert collective_latency(toy, "all_reduce", [1, 4], 0) == 0.0  # a size-1 dim costs nothing
+
+
+def test_fsdp_latency_is_charged_per_unit_not_per_parameter(toy):
+    # 5 FSDP units on a dp dim of 4 inside one node, 2 micro-batches: a gather and a
+    # re-gather per unit and micro-batch, one reduce-scatter per unit and step
+    gather, reduce = bucket_latency(toy, [4], [0], fsdp=True, modules=5, microbatches=2)
+    assert gather == pytest.approx(2 * 2 * 5 * 1e-5) and reduce == pytest.approx(5 * 1e-5)
+    # replicate-mode DP (HSDP): no gathers, one all-reduce per unit
+    assert bucket_latency(toy, [4], [0], fsdp=False, modules=5) == (0.0, pytest.approx(5e-5))
+    assert bucket_latency(toy, [1, 4], [0], fsdp=True, modules=5) == (0.0, 0.0)
+
+
+def test_output_gather_and_partial_gradients(toy):
+    s = 2**24
+    # executor.data: all-gather of the outputs + all-reduce of the 4-byte loss per dp dim
+    assert output_gather_time(toy, [4, 2], [0], s) == pytest.approx(
+        collective_time(toy, "all_gather", s, [4, 2], 0) + collective_time(toy, "all_reduce", 4, [4, 2], 0))
+    assert output_gather_time(toy, [4], [], s) == 0.0
+    # torch AdamW reads a Partial gradient three times, each read an all-reduce
+    grads = [("all_reduce", s, 1), ("reduce_scatter", 2 * s, 1)]
+    one = collective_time(toy, "all_reduce", s, [2, 4], 1) + collective_time(toy, "reduce_scatter", 2 * s, [2, 4], 1)
+    assert partial_grad_time(toy, [2, 4], grads, "adam-fp32") == pytest.approx(3 * one)
+    assert partial_grad_time(toy, [2, 4], grads, "adam-mixed") == pytest.approx(one)  # one fused read
+    assert partial_grad_time(toy, [2, 4], [], "adam-fp32") == 0.0
