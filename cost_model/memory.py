@@ -27,7 +27,6 @@ class StateBytes:
     optimizer: float
     update_traffic: float = 0.0  # bytes read + written per parameter by optimizer.step()
     update_ops: int = 1  # eager ops optimizer.step() issues per parameter tensor
-    update_grad_reads: int = 1  # of those, operands that are the gradient (see step.partial_grad_time)
 
     @property
     def total(self) -> float:
@@ -38,17 +37,17 @@ OPTIMIZERS: dict[str, StateBytes] = {
     # bf16 weights and grads, fp32 master weights + Adam m and v (ZeRO paper's 16 B/param);
     # update: one fused kernel (Megatron/apex style) reads grad 2, reads + writes
     # master, m, v 24 and writes the bf16 weight 2
-    "adam-mixed": StateBytes(2, 2, 12, 28, 1, 1),
+    "adam-mixed": StateBytes(2, 2, 12, 28, 1),
     # fp32 weights and grads, fp32 Adam m and v, updated by torch.optim.AdamW's
     # per-tensor path (the default on CPU, torch/optim/adam.py _single_tensor_adam):
     # step += 1, then 8 element-wise passes with their element reads + writes:
     # param.mul_ 2, m.lerp_ 3, v.mul_ 2, v.addcmul_ 3, sqrt 2, div 2, add_ 2,
-    # param.addcdiv_ 4 = 20 accesses x 4 B; the grad is read by lerp_ and twice by addcmul_
-    "adam-fp32": StateBytes(4, 4, 8, 80, 9, 3),
+    # param.addcdiv_ 4 = 20 accesses x 4 B
+    "adam-fp32": StateBytes(4, 4, 8, 80, 9),
     # fp32 weights and grads; plain SGD keeps no state (param.add_: read grad,
     # read+write w); momentum: buf.mul_ 2 + buf.add_ 3 + param.add_ 3 accesses x 4 B
-    "sgd": StateBytes(4, 4, 0, 12, 1, 1),
-    "sgd-momentum": StateBytes(4, 4, 4, 32, 3, 1),
+    "sgd": StateBytes(4, 4, 0, 12, 1),
+    "sgd-momentum": StateBytes(4, 4, 4, 32, 3),
 }
 
 

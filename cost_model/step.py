@@ -163,21 +163,18 @@ def partial_grad_time(
     profile: Profile,
     mesh_shape: Sequence[int],
     partial: Sequence[tuple[str, float, int]],
-    optimizer: str = "adam-mixed",
 ) -> float:
-    """Seconds ``optimizer.step()`` spends reducing gradients that are still Partial.
+    """Seconds one backward spends reducing gradients that come out Partial.
 
     ``partial``: per parameter tensor and mesh dim on which its gradient is a
     pending sum, (collective that resolves it: ``all_reduce`` to a replicated or
     ``reduce_scatter`` to a sharded parameter, local gradient bytes, mesh dim).
-    DTensor reduces a Partial operand each time an op reads it and keeps nothing,
-    so an update whose ops read the gradient ``update_grad_reads`` times (AdamW's
-    per-tensor path: 3) reduces it that many times, unoverlapped, after the backward.
+    ``executor.apply`` reduces each one as soon as it is accumulated (a
+    post-accumulate-grad hook, so once per micro-batch, inside the backward and not
+    overlapped); left Partial, DTensor would reduce it again in every optimizer op
+    that reads it.
     """
-    reads = state_bytes_per_param(optimizer).update_grad_reads
-    return reads * sum(
-        collective_time(profile, kind, nbytes, mesh_shape, dim) for kind, nbytes, dim in partial
-    )
+    return sum(collective_time(profile, kind, nbytes, mesh_shape, dim) for kind, nbytes, dim in partial)
 
 
 def bucket_latency(

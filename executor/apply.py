@@ -91,6 +91,8 @@ def apply(plan: Plan, model: nn.Module) -> nn.Module:
         _materialize(model, model_mesh, layout, plan.mesh.names)
     if model_mesh is not None:
         _distribute_parameters(model, model_mesh, layout, plan.mesh.names)
+        if not layout.data:  # FSDP2 reduces the gradients of the parameters it wraps
+            _reduce_pending_grads(model)
         if layout.cuts is None:  # a pipeline hooks each stage instead (_prepare_stage)
             _register_activation_hooks(model, model_mesh, plan, layout.model)
     batch = (DataParallelBatch(mesh, layout.data, layout.model if model_mesh is not None else ())
@@ -246,6 +248,22 @@ def _distribute_parameters(model: nn.Module, mesh: DeviceMesh, layout: _Layout,
                 new[id(p)] = nn.Parameter(distribute_tensor(p.data, mesh, placements),
                                           requires_grad=p.requires_grad)
             module._parameters[pname] = new[id(p)]
+
+
+def _reduce_pending_grads(model: nn.Module) -> None:
+    """A parameter replicated on a dim its activations are split over gets a Partial
+    gradient (a pending sum).  Left so, DTensor reduces it again in every optimizer op
+    that reads it (AdamW: three times per parameter); reducing it to the parameter's own
+    placements once, as soon as it is accumulated, gives the same values."""
+
+    def reduce(p: torch.Tensor) -> None:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, p.placements)
+
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.requires_grad:
+            p.register_post_accumulate_grad_hook(reduce)
 
 
 # -- activations -------------------------------------------------------------------------------

@@ -65,8 +65,13 @@ def _first_nodes(graph: nx.DiGraph) -> set[str]:
     return graph.graph["first_nodes"]
 
 
-def stage_modules(graph: nx.DiGraph, stages: list[Stage]) -> list[list[str]]:
-    """Module FQNs each stage runs, in order: embeddings, layers, head."""
+def stage_modules(graph: nx.DiGraph, stages: list[Stage], virtual: int = 1) -> list[list[str]]:
+    """Module FQNs each stage runs, in order: embeddings, layers, head.
+
+    With ``virtual`` > 1 (interleaved 1F1B) the list has one entry per virtual stage,
+    ``pp * virtual`` of them, virtual stage ``s`` running on pp rank ``s % pp``: rank
+    ``r``'s layer count is dealt out as ``count / virtual`` contiguous layers to each
+    of its virtual stages, in model order, so the plan lists what each rank runs."""
     first = _first_nodes(graph)
     prefix = graph.graph["layer_prefix"]
     before: list[str] = []
@@ -80,10 +85,15 @@ def stage_modules(graph: nx.DiGraph, stages: list[Stage]) -> list[list[str]]:
         target = before if n in first else after
         if mod not in target:
             target.append(mod)
-    out = []
-    for st in stages:
-        mods = [f"{prefix}.{i}" for i in range(*st.layers)]
-        out.append((before if st.first else []) + mods + (after if st.last else []))
+    pp = len(stages)
+    sizes = [(st.layers[1] - st.layers[0]) // virtual for st in stages]
+    out, start = [], stages[0].layers[0]
+    for s in range(pp * virtual):
+        n = sizes[s % pp]
+        out.append([f"{prefix}.{i}" for i in range(start, start + n)])
+        start += n
+    out[0] = before + out[0]
+    out[-1] = out[-1] + after
     return out
 
 

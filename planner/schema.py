@@ -122,7 +122,9 @@ class Pipeline(_Strict):
     dim: str = "pp"
     schedule: Schedule
     virtual_stages: int = Field(default=1, ge=1, description="stages per pp rank")
-    stages: list[PipelineStage] = Field(min_length=1)
+    stages: list[PipelineStage] = Field(
+        min_length=1,
+        description="one per pp rank, or pp x virtual_stages (stage i on pp rank i % pp), in model order")
 
 
 class TimeBreakdown(_Strict):

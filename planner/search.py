@@ -131,7 +131,7 @@ def _partial_grads(ctx: Context, graph: nx.DiGraph, chosen: Sequence[Choice]
                    ) -> list[tuple[str, float, int]]:
     """(collective, local gradient bytes, mesh dim) per gradient left Partial on a dim.
 
-    The executor leaves these to DTensor, which reduces them in the optimizer:
+    ``executor.apply`` reduces each once per backward, as it is accumulated:
     * a parameter replicated on a model-parallel dim meets activations (or their
       gradients) split over that dim: a pending sum there (all-reduce to R).
       Parameters no anchor places (norm weights) are replicated everywhere;
@@ -176,12 +176,13 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     fwd = compute / (4 if ctx.checkpointing == "full" else 3)  # backward = 2x forward (+ recompute)
     stage = StageCost(
         forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m,
-        blocking_comm_s=sol.reshard_s / m + output_gather_s(ctx, graph), gather_forward_s=gather / (2 * m),
+        blocking_comm_s=sol.reshard_s / m + output_gather_s(ctx, graph)
+        + partial_grad_time(ctx.profile, ctx.mesh_shape, _partial_grads(ctx, graph, list(chosen))),
+        gather_forward_s=gather / (2 * m),
         gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen) + reduce_lat,
         optimizer_s=optimizer_time(ctx.profile, sum(state) / state_bytes_per_param(ctx.optimizer).total,
                                    ctx.optimizer, tensors=max(len(graph.graph["param_shapes"]), 1),
-                                   dtensor=math.prod(ctx.mesh_shape) > 1)  # executor.apply: DTensor params
-        + partial_grad_time(ctx.profile, ctx.mesh_shape, _partial_grads(ctx, graph, list(chosen)), ctx.optimizer),
+                                   dtensor=math.prod(ctx.mesh_shape) > 1),  # executor.apply: DTensor params
         layers=max(graph.graph["layers"], 1),
     )
     acts = sum(c.act_bytes for c in chosen)
@@ -236,6 +237,8 @@ def mesh_candidates(devices: int, profile: Profile, divisor: int, layers: int,
             raise PlanningError(f"mesh: {dict(mesh)} has {math.prod(mesh.values())} devices, devices={devices}")
         if mesh.get("pp", 1) > layers:
             raise PlanningError(f"mesh: pp={mesh['pp']} exceeds the model's {layers} layers")
+        if set(mesh) == {"pp"}:  # the stages still need a data dim to plan within
+            mesh = {**mesh, "dp": 1}
         ordered = sorted(mesh, key=order.index)
         return [(tuple(ordered), tuple(int(mesh[n]) for n in ordered))]
     node = profile.levels[0].devices or devices
@@ -470,10 +473,13 @@ def _assemble(model: Any, graph: nx.DiGraph, prof: Profile, devices: int, best: 
     pipeline = None
     if best.pp > 1:
         dims.insert(0, MeshDim(name="pp", size=best.pp))
-        pipeline = Pipeline(schedule=best.schedule, virtual_stages=best.virtual_stages, stages=[
-            PipelineStage(index=i, modules=mods,
-                          predicted_time_s=st.cost.forward_compute_s + st.cost.backward_compute_s)
-            for i, (st, mods) in enumerate(zip(best.stages, stage_modules(graph, best.stages)))])
+        v = best.virtual_stages
+        pipeline = Pipeline(schedule=best.schedule, virtual_stages=v, stages=[
+            PipelineStage(index=i, modules=mods,  # the rank's time (what the split balances), per virtual stage
+                          predicted_time_s=(st.cost.forward_compute_s + st.cost.backward_compute_s
+                                            + st.cost.blocking_comm_s) / v)
+            for i, (st, mods) in enumerate(zip([s for _ in range(v) for s in best.stages],
+                                               stage_modules(graph, best.stages, v)))])
     return Plan(
         model=model_label(model), profile=prof.name, devices=devices, batch_size=ctx.batch_size,
         seq_len=ctx.seq_len, mesh=Mesh(dims=dims, device_type=prof.device_type), pipeline=pipeline,

@@ -213,12 +213,14 @@ def pipeline_variant(plan: Any, schedule: str, second: str, checkpointing: str) 
     """A planner-made ``pp x N`` pipeline plan (JSON) with the schedule, the role of the
     second mesh dim and the recomputation a user picked, for the CPU.
 
-    The per-rank stage lists stay valid: interleaving deals each rank's layers out in
-    two.  ``second``: the data-parallel mode (``replicate``, ``fully_shard``), or ``tp``
+    Interleaving deals each rank's layers out in two, so for it the layers are re-split
+    evenly over the ranks (the planner may have balanced a 3 + 1 split).  ``second``: the data-parallel mode (``replicate``, ``fully_shard``), or ``tp``
     (the dim turned tensor-parallel with Megatron's placements, as in ``make_plan``)."""
     plan = plan.model_copy(deep=True)
     plan.pipeline.schedule = schedule
     plan.pipeline.virtual_stages = 2 if schedule == "interleaved-1f1b" else 1
+    if schedule == "interleaved-1f1b":
+        _split_layers_evenly(plan.pipeline.stages)
     if second == "tp":
         plan.mesh.dims[1].name = "tp"
         plan.data_parallel = []
@@ -229,3 +231,17 @@ def pipeline_variant(plan: Any, schedule: str, second: str, checkpointing: str) 
     plan.activation_checkpointing = checkpointing
     plan.mesh.device_type = "cpu"
     return plan.to_json()
+
+
+def _split_layers_evenly(stages: list[Any]) -> None:
+    """Deal the ``model.layers.N`` modules out to the stages in equal contiguous runs,
+    keeping every other module (embedding, norm, head) on the stage that had it."""
+    def is_layer(m: str) -> bool:
+        return m.startswith("model.layers.")
+
+    layers = [m for st in stages for m in st.modules if is_layer(m)]
+    per = len(layers) // len(stages)
+    for i, st in enumerate(stages):
+        before = [m for m in st.modules if not is_layer(m) and i == 0]
+        after = [m for m in st.modules if not is_layer(m) and i > 0]
+        st.modules = before + layers[i * per:(i + 1) * per] + after

@@ -332,6 +332,31 @@ def test_sequence_parallel_rowwise_outputs_are_reduce_scattered() -> None:
     assert counts == {"all_gather_into_tensor": 2 * layers + 2, "reduce_scatter_tensor": 2 * layers}
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_partial_gradients_are_reduced_once_in_backward(sp: bool) -> None:
+    """Norm weights (replicated, activations split) and, without SP, row-parallel weights
+    get Partial gradients; apply reduces each once as it is accumulated, so AdamW's step
+    issues no collective (DTensor would otherwise reduce one per read, three per tensor)."""
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        case = Case("llama", {"tp": 2}, sp=sp)
+        executor.rng.manual_seed(SEED)
+        model = build(case)
+        model = executor.apply(make_plan(model, case.mesh, sp=sp), model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        partial = [n for n, p in model.named_parameters()
+                   if any(pl.is_partial() for pl in p.grad.placements)]
+        with CommDebugMode() as comm:
+            opt.step()
+    finally:
+        torch.distributed.destroy_process_group()
+        executor.rng.deactivate()
+    assert partial == []
+    assert comm.get_total_counts() == 0
+
+
 @pytest.mark.parametrize("dim", [0, 1], ids=["batch-sharded", "head-sharded"])
 def test_attention_dropout_on_local_shards_is_the_single_device_slice(dim: int) -> None:
     """q, k, v sharded alike on batch or heads attend as plain local tensors (no DTensor
