@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import socket
 import statistics
 import time
@@ -95,7 +96,17 @@ def _spawn(world: int, plan_json: str, steps: int, warmup: int) -> dict[str, Any
     procs = [ctx.Process(target=_rank, args=(r, world, port, plan_json, steps, warmup, out)) for r in range(world)]
     for p in procs:
         p.start()
-    results = dict(out.get() for _ in procs)
+    results: dict[int, Any] = {}
+    while len(results) < world:  # a rank that dies (a bad plan) must not leave the bench waiting
+        try:
+            rank, result = out.get(timeout=5)
+            results[rank] = result
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"a rank failed (exit code {dead[0]}); its traceback is above") from None
     for p in procs:
         p.join()
     return {"losses": results[0]["losses"], "step_s": max(r["step_s"] for r in results.values()),

@@ -213,14 +213,16 @@ def pipeline_variant(plan: Any, schedule: str, second: str, checkpointing: str) 
     """A planner-made ``pp x N`` pipeline plan (JSON) with the schedule, the role of the
     second mesh dim and the recomputation a user picked, for the CPU.
 
-    Interleaving deals each rank's layers out in two, so for it the layers are re-split
-    evenly over the ranks (the planner may have balanced a 3 + 1 split).  ``second``: the data-parallel mode (``replicate``, ``fully_shard``), or ``tp``
-    (the dim turned tensor-parallel with Megatron's placements, as in ``make_plan``)."""
+    Interleaving deals each rank's layers out in two, so for it, and for a plan the
+    planner made interleaved (it lists every virtual stage), the layers are re-split
+    evenly, one stage per rank (the planner may have balanced a 3 + 1 split).
+    ``second``: the data-parallel mode (``replicate``, ``fully_shard``), or ``tp`` (the dim turned tensor-parallel with Megatron's placements, as in ``make_plan``)."""
     plan = plan.model_copy(deep=True)
     plan.pipeline.schedule = schedule
     plan.pipeline.virtual_stages = 2 if schedule == "interleaved-1f1b" else 1
-    if schedule == "interleaved-1f1b":
-        _split_layers_evenly(plan.pipeline.stages)
+    pp = plan.mesh.size_of(plan.pipeline.dim)
+    if schedule == "interleaved-1f1b" or len(plan.pipeline.stages) != pp:
+        _split_layers_evenly(plan.pipeline, pp)
     if second == "tp":
         plan.mesh.dims[1].name = "tp"
         plan.data_parallel = []
@@ -233,15 +235,16 @@ def pipeline_variant(plan: Any, schedule: str, second: str, checkpointing: str) 
     return plan.to_json()
 
 
-def _split_layers_evenly(stages: list[Any]) -> None:
-    """Deal the ``model.layers.N`` modules out to the stages in equal contiguous runs,
-    keeping every other module (embedding, norm, head) on the stage that had it."""
-    def is_layer(m: str) -> bool:
-        return m.startswith("model.layers.")
-
-    layers = [m for st in stages for m in st.modules if is_layer(m)]
-    per = len(layers) // len(stages)
-    for i, st in enumerate(stages):
-        before = [m for m in st.modules if not is_layer(m) and i == 0]
-        after = [m for m in st.modules if not is_layer(m) and i > 0]
-        st.modules = before + layers[i * per:(i + 1) * per] + after
+def _split_layers_evenly(pipeline: Any, pp: int) -> None:
+    """One stage per pp rank, the ``model.layers.N`` modules dealt out in equal contiguous
+    runs, the modules before the layers (embedding) on the first, those after (norm,
+    head) on the last."""
+    modules = [m for st in pipeline.stages for m in st.modules]
+    layers = [m for m in modules if m.startswith("model.layers.")]
+    first = modules.index(layers[0])
+    before, after = modules[:first], [m for m in modules[first:] if m not in layers]
+    per = len(layers) // pp
+    pipeline.stages = [type(pipeline.stages[0])(index=i, modules=layers[i * per:(i + 1) * per])
+                       for i in range(pp)]
+    pipeline.stages[0].modules[:0] = before
+    pipeline.stages[-1].modules.extend(after)
