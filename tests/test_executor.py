@@ -7,6 +7,8 @@ with the same training loop run here with a 1-device plan and no process group.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -310,22 +312,27 @@ def test_single_device_plan_without_process_group_is_the_plain_model() -> None:
 
 # -- collectives the plan implies, and no more -----------------------------------------
 
-def test_sequence_parallel_rowwise_outputs_are_reduce_scattered() -> None:
-    """o_proj / down_proj leave a pending sum that the plan wants as S(1): one reduce-scatter
-    each, not an all-reduce (twice the bytes) followed by a slice.  Counted in one process
-    with torch's fake process group, where collectives cost nothing."""
+@contextmanager
+def tp2_on_fake_group(sp: bool) -> Iterator[nn.Module]:
+    """Rank 0 of a tp=2 tiny Llama in one process, on torch's fake process group (where
+    collectives cost nothing and CommDebugMode still counts them)."""
     torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
-        case = Case("llama", {"tp": 2}, sp=True)
+        case = Case("llama", {"tp": 2}, sp=sp)
         executor.rng.manual_seed(SEED)
         model = build(case)
-        model = executor.apply(make_plan(model, case.mesh, sp=True), model)
-        with CommDebugMode() as comm:
-            model(input_ids=torch.zeros(BATCH, SEQ, dtype=torch.long), use_cache=False)
-        counts = {op.__name__: n for op, n in comm.get_comm_counts().items()}
+        yield executor.apply(make_plan(model, case.mesh, sp=sp), model)
     finally:
         torch.distributed.destroy_process_group()
         executor.rng.deactivate()
+
+
+def test_sequence_parallel_rowwise_outputs_are_reduce_scattered() -> None:
+    """o_proj / down_proj leave a pending sum that the plan wants as S(1): one reduce-scatter
+    each, not an all-reduce (twice the bytes) followed by a slice."""
+    with tp2_on_fake_group(sp=True) as model, CommDebugMode() as comm:
+        model(input_ids=torch.zeros(BATCH, SEQ, dtype=torch.long), use_cache=False)
+    counts = {op.__name__: n for op, n in comm.get_comm_counts().items()}
     layers = PRESETS["llama-tiny"]["num_hidden_layers"]
     # per layer: gather before attention and MLP, reduce-scatter after them; then the
     # final norm's output gathered for lm_head, and the logits gathered for the loop
@@ -337,12 +344,7 @@ def test_partial_gradients_are_reduced_once_in_backward(sp: bool) -> None:
     """Norm weights (replicated, activations split) and, without SP, row-parallel weights
     get Partial gradients; apply reduces each once as it is accumulated, so AdamW's step
     issues no collective (DTensor would otherwise reduce one per read, three per tensor)."""
-    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    try:
-        case = Case("llama", {"tp": 2}, sp=sp)
-        executor.rng.manual_seed(SEED)
-        model = build(case)
-        model = executor.apply(make_plan(model, case.mesh, sp=sp), model)
+    with tp2_on_fake_group(sp) as model:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
@@ -350,9 +352,6 @@ def test_partial_gradients_are_reduced_once_in_backward(sp: bool) -> None:
                    if any(pl.is_partial() for pl in p.grad.placements)]
         with CommDebugMode() as comm:
             opt.step()
-    finally:
-        torch.distributed.destroy_process_group()
-        executor.rng.deactivate()
     assert partial == []
     assert comm.get_total_counts() == 0
 
