@@ -204,17 +204,12 @@ def bucket_latency(
     return gather, reduce
 
 
-def output_gather_time(
-    profile: Profile, mesh_shape: Sequence[int], data_dims: Sequence[int], output_bytes: float
-) -> float:
-    """Seconds per micro-batch to hand the loop single-device results under data parallelism.
+def loss_mean_time(profile: Profile, mesh_shape: Sequence[int], data_dims: Sequence[int]) -> float:
+    """Seconds per micro-batch to hand the loop the single-device loss under data parallelism.
 
-    ``executor.data`` all-gathers every batch-shaped output (``output_bytes``: the
-    gathered size, e.g. the logits of the global micro-batch) over the data-parallel
-    dims and all-reduces the scalar loss; both block the step.
+    ``executor.data`` all-reduces the scalar loss over the data-parallel dims; it blocks
+    the step.  The logits are gathered only if the loop reads them (executor.outputs), so
+    the step time assumes a loop that trains from ``labels=`` and does not: a loop that
+    reads them pays an all-gather of the global micro-batch's logits on top.
     """
-    return sum(
-        collective_time(profile, "all_gather", output_bytes, mesh_shape, dim)
-        + collective_time(profile, "all_reduce", 4, mesh_shape, dim)
-        for dim in data_dims
-    )
+    return sum(collective_time(profile, "all_reduce", 4, mesh_shape, dim) for dim in data_dims)

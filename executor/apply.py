@@ -41,7 +41,7 @@ from torch.distributed.tensor.experimental import implicit_replication, register
 from torch.utils._pytree import SUPPORTED_NODES, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from executor import deferred_init, pipeline, rng
+from executor import deferred_init, outputs, pipeline, rng
 from executor.data import DataParallelBatch
 from planner.schema import Fingerprint, ModuleLayout, Plan, pattern_matches, shard_dim
 
@@ -101,10 +101,12 @@ def apply(plan: Plan, model: nn.Module) -> nn.Module:
         return pipeline.pipelined(model, plan, layout.cuts, mesh, batch,
                                   partial(_prepare_stage, plan=plan, mesh=mesh, model_mesh=model_mesh,
                                           layout=layout))
-    _register_root_hooks(model, batch, model_mesh is not None)
     _checkpoint_activations(model, plan, batch)
     if layout.data:
         _fully_shard(model, mesh, layout, plan.mesh.names)
+    # After fully_shard: FSDP2's root post-forward hook must see the local outputs, since
+    # reading a lazily globalised field would gather it (executor.outputs).
+    _register_root_hooks(model, batch, model_mesh is not None)
     return model
 
 
@@ -371,7 +373,8 @@ def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLa
 
 
 def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tensor_parallel: bool) -> None:
-    """Root: slice the global batch, then (after forward) hand back plain global tensors.
+    """Root: slice the global batch, then (after forward) hand back plain global tensors,
+    each when the loop first reads it (executor.outputs).
 
     With tensor parallelism the forward runs under ``implicit_replication``: tensors the
     model creates inside its forward (masks, biases from ``torch.arange``) are the same
@@ -387,11 +390,14 @@ def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tens
             replication.enter_context(batch.randomness())
         return args, kwargs
 
+    def single_device(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        return batch.globalise(t) if batch is not None else t
+
     def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         replication.close()
-        if tensor_parallel:
-            out = tree_map_only(DTensor, lambda t: t.full_tensor(), out)
-        return batch.globalise(out) if batch is not None else out
+        return outputs.single_device(out, single_device)
 
     model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
     model.register_forward_hook(post, with_kwargs=True, always_call=True)

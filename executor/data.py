@@ -21,8 +21,8 @@ global batch's mask for this slice, without communication.
 
 The loss equals the single-device loss when every rank's slice holds the same number
 of counted tokens (no padding / ``ignore_index`` imbalance), as a mean of means must.
-Gathering costs an all-gather of the output per step; a loop that only needs the loss
-pays for logits it does not read (see docs/executor.md).
+The gather runs when the loop first reads a batch-shaped output (executor.outputs): a
+loop that trains from ``labels=`` and reads only the loss never gathers the logits.
 """
 
 from __future__ import annotations
@@ -82,17 +82,13 @@ class DataParallelBatch:
         """Active around the forward (and any recomputation of it): slice-aware dropout."""
         return self._random
 
-    def globalise(self, output: Any) -> Any:
-        n = self._local_batch
-
-        def fix(t: torch.Tensor) -> torch.Tensor:
-            if t.dim() == 0 and t.is_floating_point():
-                return _MeanOverRanks.apply(t, self.groups, self.size)
-            if t.dim() > 0 and t.shape[0] == n:
-                return _GatherBatch.apply(t, self.groups, self.size, self.index)
-            return t
-
-        return tree_map_only(torch.Tensor, fix, output)
+    def globalise(self, t: torch.Tensor) -> torch.Tensor:
+        """One output tensor as on one device (executor.outputs decides when)."""
+        if t.dim() == 0 and t.is_floating_point():
+            return _MeanOverRanks.apply(t, self.groups, self.size)
+        if t.dim() > 0 and t.shape[0] == self._local_batch:
+            return _GatherBatch.apply(t, self.groups, self.size, self.index)
+        return t
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ from cost_model.comm import collective_time
 from cost_model.memory import inflight_microbatches, state_bytes_per_param, usable_bytes
 from cost_model.step import StageCost, StepBreakdown, bucket_latency, compose_step, optimizer_time
 from planner.ilp import Solution
-from planner.strategies import Context, Unit, output_gather_s
+from planner.strategies import Context, Unit, loss_mean_s
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def split_parts(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: So
         per_layer = per_layer + part * (w["layer"] / total / layers)
         first = first + part * (w["first"] / total)
         last = last + part * (w["last"] / total)
-    return per_layer, first, last + Part(blocking_s=output_gather_s(ctx, graph))
+    return per_layer, first, last + Part(blocking_s=loss_mean_s(ctx))
 
 
 def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, last: Part,

@@ -63,7 +63,7 @@ from planner.strategies import (
     build_units,
     canonical_map,
     concrete,
-    output_gather_s,
+    loss_mean_s,
 )
 from planner.tracer import totals, trace
 
@@ -176,7 +176,7 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     fwd = compute / (4 if ctx.checkpointing == "full" else 3)  # backward = 2x forward (+ recompute)
     stage = StageCost(
         forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m,
-        blocking_comm_s=sol.reshard_s / m + output_gather_s(ctx, graph)
+        blocking_comm_s=sol.reshard_s / m + loss_mean_s(ctx)
         + partial_grad_time(ctx.profile, ctx.mesh_shape, _partial_grads(ctx, graph, list(chosen))),
         gather_forward_s=gather / (2 * m),
         gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen) + reduce_lat,

@@ -387,14 +387,10 @@ def build_units(ctx: Context, graph: nx.DiGraph) -> tuple[dict[str, Unit], dict[
     return units, unit_of
 
 
-def output_gather_s(ctx: Context, graph: nx.DiGraph) -> float:
-    """Seconds per micro-batch executor.data spends making the outputs global over the
-    data-parallel dims (cost_model.step.output_gather_time); the outputs are the
-    graph's sinks, traced per sequence."""
-    from cost_model.step import output_gather_time
+def loss_mean_s(ctx: Context) -> float:
+    """Seconds per micro-batch executor.data spends averaging the loss over the
+    data-parallel dims (cost_model.step.loss_mean_time)."""
+    from cost_model.step import loss_mean_time
 
-    per_seq = sum(d["out_numel"] for n, d in graph.nodes(data=True)
-                  if d["kind"] == "call_function" and d["shape"] and graph.out_degree(n) == 0)
     data_dims = [i for i, name in enumerate(ctx.mesh_names) if name == "dp"]
-    return output_gather_time(ctx.profile, ctx.mesh_shape, data_dims,
-                              per_seq * ctx.microbatch * ctx.act_itemsize)
+    return loss_mean_time(ctx.profile, ctx.mesh_shape, data_dims)

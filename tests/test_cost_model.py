@@ -37,8 +37,8 @@ from cost_model.step import (
     bucket_latency,
     compose_step,
     exposed,
+    loss_mean_time,
     optimizer_time,
-    output_gather_time,
     partial_grad_time,
 )
 
@@ -688,12 +688,11 @@ def test_fsdp_latency_is_charged_per_unit_not_per_parameter(toy):
     assert bucket_latency(toy, [1, 4], [0], fsdp=True, modules=5) == (0.0, 0.0)
 
 
-def test_output_gather_and_partial_gradients(toy):
+def test_loss_mean_and_partial_gradients(toy):
     s = 2**24
-    # executor.data: all-gather of the outputs + all-reduce of the 4-byte loss per dp dim
-    assert output_gather_time(toy, [4, 2], [0], s) == pytest.approx(
-        collective_time(toy, "all_gather", s, [4, 2], 0) + collective_time(toy, "all_reduce", 4, [4, 2], 0))
-    assert output_gather_time(toy, [4], [], s) == 0.0
+    # executor.data: all-reduce of the 4-byte loss per dp dim (logits are gathered only if read)
+    assert loss_mean_time(toy, [4, 2], [0]) == pytest.approx(collective_time(toy, "all_reduce", 4, [4, 2], 0))
+    assert loss_mean_time(toy, [4], []) == 0.0
     # executor.apply reduces each Partial gradient once, to the parameter's placements
     grads = [("all_reduce", s, 1), ("reduce_scatter", 2 * s, 1)]
     one = collective_time(toy, "all_reduce", s, [2, 4], 1) + collective_time(toy, "reduce_scatter", 2 * s, [2, 4], 1)

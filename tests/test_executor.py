@@ -54,16 +54,18 @@ class Case:
     dropout: float = 0.0
     meta: bool = False  # build on the meta device, materialise through apply
     checkpointing: str = "none"  # the plan's activation checkpointing
+    logits_loss: bool = False  # the loop computes the loss from .logits, not labels=
 
     @property
     def name(self) -> str:
         mesh = "x".join(f"{k}{v}" for k, v in self.mesh.items())
-        flags = [f for f, on in (("fsdp", self.fsdp), ("sp", self.sp), ("meta", self.meta)) if on]
+        flags = [f for f, on in (("fsdp", self.fsdp), ("sp", self.sp), ("meta", self.meta),
+                                 ("logits-loss", self.logits_loss)) if on]
         ac = [] if self.checkpointing == "none" else [f"ac-{self.checkpointing}"]
         return "-".join([self.model, mesh, *flags, *ac, f"drop{self.dropout}"])
 
     def reference(self) -> Case:
-        return Case(self.model, dropout=self.dropout)
+        return Case(self.model, dropout=self.dropout, logits_loss=self.logits_loss)
 
 
 def build(case: Case) -> nn.Module:
@@ -94,6 +96,8 @@ def batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def loss_of(model: nn.Module, case: Case, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if case.model == "mlp":
         return F.mse_loss(model(x), y)  # computed from the (global) output in the loop
+    if case.logits_loss:  # reads the logits, which the executor then gathers
+        return F.cross_entropy(model(input_ids=x, use_cache=False).logits.flatten(0, 1), y.flatten())
     return model(input_ids=x, labels=y, use_cache=False).loss
 
 
@@ -161,14 +165,14 @@ CASES_4 = [
     Case("llama", {"dp": 4}, dropout=0.1),
     Case("llama", {"dp": 4}, fsdp=True, meta=True, dropout=0.1),
     Case("llama", {"dp": 2, "tp": 2}, fsdp=True, sp=True, dropout=0.1, checkpointing="selective"),
-    Case("gpt2", {"dp": 2, "tp": 2}, dropout=0.1),
+    Case("gpt2", {"dp": 2, "tp": 2}, dropout=0.1, logits_loss=True),
     Case("gpt2", {"dp": 4}, fsdp=True, dropout=0.1, checkpointing="full"),
     Case("mlp", {"dp": 2, "tp": 2}, fsdp=True, dropout=0.1),
 ]
 CASES_2 = [
     Case("llama", {"tp": 2}, dropout=0.1),
     Case("llama", {"tp": 2}, sp=True, meta=True, dropout=0.1, checkpointing="full"),
-    Case("gpt2", {"tp": 2}, dropout=0.1),
+    Case("gpt2", {"tp": 2}, dropout=0.1, logits_loss=True),
     Case("qwen2", {"tp": 2}, sp=True, dropout=0.1),
     Case("mistral", {"tp": 2}, dropout=0.1),
     Case("mlp", {"tp": 2}),
@@ -331,12 +335,17 @@ def test_sequence_parallel_rowwise_outputs_are_reduce_scattered() -> None:
     """o_proj / down_proj leave a pending sum that the plan wants as S(1): one reduce-scatter
     each, not an all-reduce (twice the bytes) followed by a slice."""
     with tp2_on_fake_group(sp=True) as model, CommDebugMode() as comm:
-        model(input_ids=torch.zeros(BATCH, SEQ, dtype=torch.long), use_cache=False)
-    counts = {op.__name__: n for op, n in comm.get_comm_counts().items()}
+        out = model(input_ids=torch.zeros(BATCH, SEQ, dtype=torch.long), use_cache=False)
+        forward = {op.__name__: n for op, n in comm.get_comm_counts().items()}
+        out.logits.sum()
+        out["logits"].sum()  # read again: no second gather
+        read = {op.__name__: n for op, n in comm.get_comm_counts().items()}
     layers = PRESETS["llama-tiny"]["num_hidden_layers"]
     # per layer: gather before attention and MLP, reduce-scatter after them; then the
-    # final norm's output gathered for lm_head, and the logits gathered for the loop
-    assert counts == {"all_gather_into_tensor": 2 * layers + 2, "reduce_scatter_tensor": 2 * layers}
+    # final norm's output gathered for lm_head
+    assert forward == {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers}
+    # the vocab-sharded logits are gathered when the loop reads them, once
+    assert read == {**forward, "all_gather_into_tensor": 2 * layers + 2}
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
