@@ -21,7 +21,8 @@ own cost function with the placements pinned.  Nothing here adjusts a constant.
 For diagnosis, each layout also records forward / backward / optimizer time and the
 collectives it issues in one step (``CommDebugMode``), and the ranks run two
 communication-free references under the same contention: a plain 1-process step on
-the DP local batch, and the fp32 GEMM sweep calibration uses, with one thread per rank.
+the DP local batch, and fp32 GEMMs timed as calibration times them (a square one, and the
+thinnest GEMM of a TP rank), with one thread per rank.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import executor
 import planner
-from cost_model.calibrate import _collective, measure_job, profile_from_job
+from cost_model.calibrate import _collective, cold_gemm_time, measure_job, profile_from_job
 from cost_model.comm import collective_time
 from cost_model.compute import gemm_efficiency
 from cost_model.profile import load_profile
@@ -156,17 +157,16 @@ def _run_collectives(rank: int, repeats: int) -> dict[str, list[float]]:
     return out
 
 
-def _gemm_rates(repeats: int, n: int = 1024) -> list[float]:
-    """FLOP/s of fp32 n x n matmuls, all ranks at once: what a rank's "device" delivers
-    here, to compare with the profile's peak (calibrated in one process, best of runs)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        out.append(2.0 * n**3 / (time.perf_counter() - t0))
-    return out
+# (m, k, n) of (m x k) @ (k x n): a square GEMM like calibrate's, and the thinnest GEMM
+# of a TP rank here (a KV projection shard: 1024 tokens x 256 -> 32 features)
+GEMM_SHAPES = {"square 1024^3": (1024, 1024, 1024), "TP kv shard 1024x256x32": (1024, 256, 32)}
+
+
+def _gemm_rates() -> dict[str, float]:
+    """FLOP/s of fp32 GEMMs of GEMM_SHAPES, all ranks at once, timed as calibrate times
+    its square ones (``cold_gemm_time``): what a rank's "device" delivers here, square
+    and thin, to compare with the profile's rate at the same FLOPs."""
+    return {name: 2.0 * m * k * n / cold_gemm_time(m, k, n) for name, (m, k, n) in GEMM_SHAPES.items()}
 
 
 def _worker(rank: int, init_file: str, out: str, warmup: int, steps: int, repeats: int,
@@ -187,7 +187,7 @@ def _worker(rank: int, init_file: str, out: str, warmup: int, steps: int, repeat
         result: dict[str, Any] = {"times": {k: first[k] + second[k] for k in first}, "job": job}
         result["collectives"] = {name: _collectives_per_step(step) for name, step in steps_of.items()}
         dist.barrier()
-        result["gemm"] = _gemm_rates(repeats)
+        result["gemm"] = _gemm_rates()
         result["micro"] = _run_collectives(rank, repeats)
         gathered: list[Any] = [None] * WORLD
         dist.all_gather_object(gathered, result)
@@ -261,12 +261,13 @@ def _step_table(results: list[dict], profile: dict) -> None:
           f"(fwd {fwd:.3f}, bwd {bwd:.3f}, opt {opt:.3f}); DP predicted compute {dp.compute_s:.3f} s "
           f"+ optimizer {dp.optimizer_s:.3f} s")
     prof = load_profile(profile)
-    flops = 2.0 * 1024**3
-    rate = gemm_efficiency(prof, flops) * prof.peak_flops["fp32"]
-    rates = [v for res in results for v in res["gemm"]]
-    print(f"GEMM fp32 1024^3: the profile's rate {rate / 1e9:.1f} GFLOP/s per rank; measured now in "
-          f"the {WORLD} ranks at once (1 thread each): median {statistics.median(rates) / 1e9:.1f}, "
-          f"best {max(rates) / 1e9:.1f} GFLOP/s")
+    for name, (m, k, n) in GEMM_SHAPES.items():
+        flops = 2.0 * m * k * n
+        rate = gemm_efficiency(prof, flops) * prof.peak_flops["fp32"]
+        rates = [res["gemm"][name] for res in results]
+        print(f"GEMM fp32 {name}: the profile's rate {rate / 1e9:.1f} GFLOP/s per rank; measured now "
+              f"in the {WORLD} ranks at once (1 thread each): median rank {statistics.median(rates) / 1e9:.1f}, "
+              f"fastest {max(rates) / 1e9:.1f} GFLOP/s")
 
 
 def _collective_table(results: list[dict], profile: dict) -> None:

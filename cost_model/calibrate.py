@@ -11,13 +11,16 @@ DTensor) are measured inside the spawned ranks of the largest group size, all
 ranks running the same micro-benchmark at once, as they do when they train; a
 single process using every core would describe a device no rank ever gets.
 Collective constants are fitted per group size to the very model
-``cost_model.comm`` evaluates (``t = latency + S * f(n) / busbw``).  Timings are
+``cost_model.comm`` evaluates (``t = latency + S * f(n) / busbw``).  Whether a collective
+hides behind compute is measured too (``overlap_exposure``): on a GPU NCCL has engines
+of its own, on an oversubscribed CPU gloo needs the cores the compute is using.  Timings are
 medians of repeats: on a shared machine a rank sees the typical load, not the
 quietest moment.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import statistics
@@ -45,7 +48,10 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 DEFAULT_MESSAGE_SIZES = (64 * 2**10, 2**20, 8 * 2**20, 64 * 2**20)
 GEMM_SIZES = (64, 128, 256, 512, 1024)
 COPY_BYTES = 16 * 2**20  # larger than a core's share of the last-level cache
+COLD_BYTES = 64 * 2**20  # GEMM operand pool per rank: 4 ranks' pools overflow a 105 MB L3
 _REPEATS = 7
+OVERLAP_BYTES = 8 * 2**20  # a layer's gradients or parameters in the fidelity model's range
+_OVERLAP_COMPUTE = 3  # the compute alone takes ~3x the collective alone: room to hide it
 
 
 def _repeats(nbytes: int) -> int:
@@ -87,17 +93,32 @@ def measure_op_overhead(world: int) -> tuple[float, float]:
     return plain, max(0.0, _median_time(lambda: da + db) - plain)
 
 
+def cold_gemm_time(m: int, k: int, n: int, dtype: torch.dtype = torch.float32) -> float:
+    """Seconds of one (m x k) @ (k x n) matmul on cold operands (``_median_time``).
+
+    Each call takes the next pair of a pool of ``COLD_BYTES``, larger than a rank's
+    share of the last-level cache: in a training step every GEMM reads activations and
+    weights that other ops (and the other ranks) have since pushed out of the cache, and
+    timing one hot pair back to back overstates small GEMMs (measured here, 4 ranks at
+    once: 256 x 256 x 768 at 22 GFLOP/s hot, 17 cold; 1024^3 alike at 21).
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    pairs = max(2, COLD_BYTES // ((m * k + k * n) * itemsize))
+    lhs, rhs = torch.randn(pairs, m, k).to(dtype), torch.randn(pairs, k, n).to(dtype)
+    turn = itertools.cycle(range(pairs))
+    return _median_time(lambda: lhs[(i := next(turn))] @ rhs[i])
+
+
 def measure_gemm(dtype: torch.dtype, dispatch_s: float = 0.0) -> list[tuple[float, float]]:
-    """(FLOPs, achieved FLOP/s) of square matmuls of GEMM_SIZES.
+    """(FLOPs, achieved FLOP/s) of square matmuls of GEMM_SIZES on cold operands.
 
     ``dispatch_s`` is taken off each time: the cost model adds the host time of an
     op to its kernel's roofline on a CPU, so the rate must describe the kernel alone.
     """
     out = []
     for n in GEMM_SIZES:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         flops = 2.0 * n**3
-        t = _median_time(lambda a=a, b=b: a @ b)
+        t = cold_gemm_time(n, n, n, dtype)
         out.append((flops, flops / max(t - dispatch_s, t / 2)))
     return out
 
@@ -156,6 +177,13 @@ def _collective(
     return ring_exchange
 
 
+def _slowest(times: Sequence[float]) -> list[float]:
+    """Each of ``times`` as the slowest rank saw it (SPMD waits for that rank)."""
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def _time_collectives(size: int, sizes: Sequence[int]) -> list[tuple[str, int, float]]:
     """(kind, bytes, s) in groups of ``size`` consecutive ranks, every group at once (as
     the groups of a mesh dim run in training): per repeat the slowest rank's time (SPMD
@@ -173,17 +201,65 @@ def _time_collectives(size: int, sizes: Sequence[int]) -> list[tuple[str, int, f
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)
-            slowest = torch.tensor(times, dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            rows.append((kind, nbytes, statistics.median(slowest.tolist())))
+            rows.append((kind, nbytes, statistics.median(_slowest(times))))
     return rows
+
+
+def measure_overlap(repeats: int = _REPEATS) -> float:
+    """Step seconds one second of collective adds when it runs beside compute
+    (``Profile.overlap_exposure``), measured on every rank of the job at once.
+
+    Per repeat, and interleaved so that load drift hits all three alike: matmuls alone
+    (``c``), an all-reduce and an all-gather of ``OVERLAP_BYTES`` alone (``m``), and the
+    same collective issued asynchronously before the same matmuls and waited for after
+    them (``b``), as FSDP2 prefetches and reduces beside a layer's compute.  The
+    exposure is ``(b - c) / m``, median over repeats and kinds: 0 if the collective
+    hid completely, 1 if the two ran one after the other.
+    """
+    a, w = torch.randn(256, 256), torch.randn(768, 256)  # one MLP projection of 256 tokens
+    full = torch.ones(OVERLAP_BYTES // 4)
+    world = dist.get_world_size()
+    part = full[: full.numel() // world].clone()
+    kinds = (lambda op: dist.all_reduce(full, async_op=op),
+             lambda op: _ALL_GATHER(full, part, async_op=op))
+
+    def matmuls(n: int) -> None:
+        for _ in range(n):
+            torch.nn.functional.linear(a, w)
+
+    def timed(fn: Callable[[], object]) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    exposures = []
+    for start in kinds:
+        start(True).wait()  # warm-up (connections, buffers)
+        one_mm = _median_time(lambda: matmuls(1))
+        alone = statistics.median(_slowest([timed(lambda s=start: s(False)) for _ in range(3)]))
+        n = int(_slowest([max(1.0, _OVERLAP_COMPUTE * alone / one_mm)])[0])  # same n on every rank
+
+        def both(s: Callable[[bool], Any] = start, n: int = n) -> None:
+            work = s(True)
+            matmuls(n)
+            work.wait()
+
+        for _ in range(repeats):
+            c, m, b = _slowest([timed(lambda n=n: matmuls(n)), timed(lambda s=start: s(False)),
+                                timed(both)])
+            exposures.append((b - c) / m)
+    return max(0.0, statistics.median(exposures))
 
 
 def measure_job(groups: Sequence[int], sizes: Sequence[int]) -> dict[str, Any]:
     """Everything ``profile_from_job`` needs, measured on every rank of the current gloo
-    job (call it on all ranks): collectives in groups of each size, then every rank's
-    device constants.  A job that trains can call it between steps, under the same load."""
+    job (call it on all ranks): collectives in groups of each size, their overlap with
+    compute, then every rank's device constants.  A job that trains can call it between
+    steps, under the same load."""
     result: dict[str, Any] = {"collectives": {g: _time_collectives(g, sizes) for g in groups}}
+    dist.barrier()
+    result["overlap"] = measure_overlap()
     dist.barrier()
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, measure_device(dist.get_world_size()))
@@ -349,6 +425,8 @@ def profile_from_job(
         + f" GFLOP/s peak; copy {device['bandwidth'] / 1e9:.1f} GB/s; op dispatch "
         f"{device['floor'] * 1e6:.1f} us, DTensor +{device['dtensor'] * 1e6:.1f} us"
     )
+    progress(f"a collective beside compute adds {result['overlap']:.2f} s per second of it "
+             f"(overlap_exposure; 0 = hidden, 1 = serialised)")
     latency, busbw, _ = fit_collectives(samples)
     profile = Profile(
         name=name,
@@ -361,6 +439,7 @@ def profile_from_job(
         memory_efficiency=1.0,  # the measured copy bandwidth is already the achievable one
         kernel_floor_s=device["floor"],
         dtensor_op_overhead_s=device["dtensor"],
+        overlap_exposure=min(4.0, result["overlap"]),
         levels=[{"name": "loopback", "devices": None, "busbw": busbw, "latency_s": latency,
                  "groups": groups}],
     )
@@ -370,8 +449,11 @@ def profile_from_job(
         f"measured by `meshplan calibrate` on {platform.node()} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
-        f"gloo job (GEMMs {list(GEMM_SIZES)}, {COPY_BYTES >> 20} MB copies and 1-element adds, plain and "
+        f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, {COPY_BYTES >> 20} MB copies and 1-element adds, plain and "
         f"DTensor, timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
+        f"overlap_exposure: {OVERLAP_BYTES >> 20} MB all-reduce / all-gather issued asynchronously beside "
+        f"matmuls, (together - matmuls alone) / collective alone, median of {_REPEATS} interleaved repeats "
+        f"per kind; "
         f"collectives: {len(message_sizes)} sizes {min(message_sizes)}..{max(message_sizes)} B in groups of "
         f"{sizes} ranks of that job, all groups at once, medians of {_REPEATS} repeats (3 from 32 MB) of the slowest rank, "
         f"latency and busbw fitted per group size (groups) and over all sizes (level default); "

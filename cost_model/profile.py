@@ -124,6 +124,15 @@ class Profile(_Strict):
         description="extra host time per op whose operands are DTensors (sharding "
         "propagation, unwrapping and rewrapping), s",
     )
+    overlap_exposure: float = Field(
+        default=0.0,
+        ge=0,
+        le=4,
+        description="step seconds one second of a collective adds when it runs concurrently "
+        "with compute: 0 = fully hidden (the network works on its own engines), 1 = "
+        "serialised (the collective's copies and reductions need the cores the compute "
+        "uses), above 1 = the contention also slows the compute",
+    )
     levels: list[NetworkLevel] = Field(min_length=1, description="network levels, innermost first")
 
     @field_validator("gemm_efficiency")

@@ -6,8 +6,12 @@ Assumptions (each is what the executor's runtime does, or a stated simplificatio
   send/recv) sits on the critical path: it is never overlapped.
 * FSDP parameter all-gathers are prefetched one layer ahead (FSDP2's default
   forward/backward prefetch): with ``layers`` equal units, the first unit's
-  gather is exposed and every later one hides behind the previous unit's
-  compute, so exposed = c/L + max(0, c - compute) * (L - 1)/L.
+  gather is exposed and every later one runs concurrently with the previous
+  unit's compute.  What a concurrent collective still costs is the profile's
+  ``overlap_exposure`` x (measured by ``meshplan calibrate``: 0 on GPUs, where
+  NCCL has its own engines; about 1 on an oversubscribed CPU, where gloo's copies
+  and reductions need the cores the compute runs on), so exposed =
+  c/L + (max(0, c - compute) + x * min(c, compute)) * (L - 1)/L.
 * Gradient reduction (reduce-scatter or all-reduce) runs once per step, during
   the last micro-batch's backward (earlier micro-batches accumulate without
   sync), overlapped the same way, sharing the network with the backward's
@@ -46,6 +50,7 @@ class StageCost:
     grad_reduce_s: float = 0.0  # gradient reduce-scatter / all-reduce, once per step
     optimizer_s: float = 0.0  # optimizer step, once per step
     layers: int = 1  # equal units that FSDP prefetch pipelines over
+    overlap_exposure: float = 0.0  # Profile.overlap_exposure: cost of a collective run behind compute
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -74,18 +79,25 @@ class StepBreakdown:
         return asdict(self)
 
 
-def exposed(comm_s: float, compute_s: float, layers: int) -> float:
-    """Communication left exposed when prefetched one unit ahead of ``layers`` units of compute."""
+def exposed(comm_s: float, compute_s: float, layers: int, overlap_exposure: float = 0.0) -> float:
+    """Communication left exposed when prefetched one unit ahead of ``layers`` units of compute.
+
+    The first unit's share waits in full; each later one runs beside a unit of compute,
+    exposing what outlasts it plus ``overlap_exposure`` times the part that ran
+    concurrently (0: free overlap; 1: the two serialise on shared cores).
+    """
     per_comm, per_compute = comm_s / layers, compute_s / layers
-    return per_comm + max(0.0, per_comm - per_compute) * (layers - 1)
+    concurrent = max(0.0, per_comm - per_compute) + overlap_exposure * min(per_comm, per_compute)
+    return per_comm + concurrent * (layers - 1)
 
 
 def _microbatch(stage: StageCost, last: bool) -> tuple[float, float]:
     """(compute, exposed communication) of one micro-batch on ``stage``."""
     compute = stage.forward_compute_s + stage.backward_compute_s
     backward_comm = stage.gather_backward_s + (stage.grad_reduce_s if last else 0.0)
-    hidden = exposed(stage.gather_forward_s, stage.forward_compute_s, stage.layers) + exposed(
-        backward_comm, stage.backward_compute_s, stage.layers
+    x = stage.overlap_exposure
+    hidden = exposed(stage.gather_forward_s, stage.forward_compute_s, stage.layers, x) + exposed(
+        backward_comm, stage.backward_compute_s, stage.layers, x
     )
     return compute, stage.blocking_comm_s + stage.p2p_s + hidden
 

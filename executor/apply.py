@@ -41,7 +41,7 @@ from torch.distributed.tensor.experimental import implicit_replication, register
 from torch.utils._pytree import SUPPORTED_NODES, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from executor import deferred_init, outputs, pipeline, rng
+from executor import deferred_init, local_regions, outputs, pipeline, rng
 from executor.data import DataParallelBatch
 from planner.schema import Fingerprint, ModuleLayout, Plan, pattern_matches, shard_dim
 
@@ -297,22 +297,23 @@ def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,
 
     def to_dtensors(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         # Runs before every module that holds parameters; most calls carry no plain
-        # tensor, and then pytree's rebuild of the arguments is skipped.
-        if not _has_plain_tensor((*args, *kwargs.values())):
+        # tensor, and then pytree's rebuild of the arguments is skipped (except in a
+        # local region's recording or replay, where every call must cross the same steps).
+        if not local_regions.active() and not _has_plain_tensor((*args, *kwargs.values())):
             return None
-        return tree_map_only(torch.Tensor, as_dtensor, (args, kwargs))
+        return tree_map_only(torch.Tensor, lambda t: local_regions.convert(t, as_dtensor), (args, kwargs))
 
-    def resolve_partial(t: DTensor) -> DTensor:
-        if not any(p.is_partial() for p in t.placements):
+    def resolve_partial(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, DTensor) or not any(p.is_partial() for p in t.placements):
             return t
         return t.redistribute(mesh, [Replicate() if p.is_partial() else p for p in t.placements])
 
     def no_partial_outputs(module: nn.Module, args: tuple, out: Any) -> Any:
         # A pending sum leaving a module would be reduced wherever DTensor next needs
         # it, possibly after all-gathering weights; reduce it here, at the boundary.
-        if isinstance(out, DTensor):
+        if isinstance(out, DTensor) and not local_regions.active():
             return resolve_partial(out)
-        return tree_map_only(DTensor, resolve_partial, out)
+        return tree_map_only(torch.Tensor, lambda t: local_regions.convert(t, resolve_partial), out)
 
     for name, module in model.named_modules():
         layout = plan.layout_for(name)
@@ -324,6 +325,7 @@ def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,
         if any(True for _ in module.parameters()):
             module.register_forward_pre_hook(to_dtensors, with_kwargs=True)
             module.register_forward_hook(no_partial_outputs)
+    local_regions.regions(model, mesh)
 
 
 def _has_plain_tensor(values: Iterable[Any]) -> bool:
@@ -348,8 +350,12 @@ def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLa
                            placements: Callable[[list[str]], list[Placement]]) -> None:
     def redistribute(t: torch.Tensor, spec: list[str]) -> torch.Tensor:
         target = placements(spec)
-        t = as_dtensor(t)
-        return t if list(t.placements) == target else t.redistribute(mesh, target)
+
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            t = as_dtensor(t)
+            return t if list(t.placements) == target else t.redistribute(mesh, target)
+
+        return local_regions.convert(t, convert)
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args and isinstance(args[0], torch.Tensor):

@@ -14,9 +14,9 @@ after it runs, results are made global again so the loop sees single-device valu
   reduction makes it the gradient of the global mean.
 
 Dropout: on one device the mask of a batch element depends on its index in the global
-batch (executor.rng draws by global element index).  While the root forward runs, a
-torch-function mode hands dropout (and attention dropout) a DTensor view of the rank's
-slice, ``Shard(0)`` over the data-parallel dims, so executor.rng draws exactly the
+batch (executor.rng draws by global element index).  While the root forward runs,
+executor.rng hands dropout (and attention dropout) here (``rng.redirected``), and they
+draw on a DTensor view of the rank's slice, ``Shard(0)`` over the data-parallel dims, so executor.rng draws exactly the
 global batch's mask for this slice, without communication.
 
 The loss equals the single-device loss when every rank's slice holds the same number
@@ -27,7 +27,7 @@ loop that trains from ``labels=`` and reads only the loss never gathers the logi
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -35,7 +35,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
 from executor import rng
@@ -80,7 +79,7 @@ class DataParallelBatch:
 
     def randomness(self) -> AbstractContextManager:
         """Active around the forward (and any recomputation of it): slice-aware dropout."""
-        return self._random
+        return rng.redirected(self._random)
 
     def globalise(self, t: torch.Tensor) -> torch.Tensor:
         """One output tensor as on one device (executor.outputs decides when)."""
@@ -127,41 +126,35 @@ class _GatherBatch(torch.autograd.Function):
         return local, None, None, None
 
 
-_SLICED = frozenset({F.dropout, torch.dropout, F.scaled_dot_product_attention})  # what the mode redraws
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-class _SlicedRandomness(TorchFunctionMode):
+class _SlicedRandomness:
     """Dropout on a batch slice, drawn as the slice of the global batch's mask.
 
-    Sits above executor.rng's mode and calls its public ``dropout``/``sdpa`` on a view
-    whose dim 0 is the global batch (``Shard(0)`` on each data-parallel dim, then the
-    tensor's own model-mesh placements): the view shares the slice's storage, so no
-    rank gathers anything."""
+    executor.rng hands it the dropout and attention calls it intercepts (rng.redirected),
+    and it calls rng's public ``dropout``/``sdpa`` on a view whose dim 0 is the global
+    batch (``Shard(0)`` on each data-parallel dim, then the tensor's own model-mesh
+    placements): the view shares the slice's storage, so no rank gathers anything.
+    (It used to be a torch-function mode of its own above rng's, which made every op of
+    the forward pass through one more Python frame.)"""
 
     def __init__(self, mesh: DeviceMesh, data_dims: int) -> None:
-        super().__init__()
         self.mesh, self.data_dims = mesh, data_dims
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        # Every torch call of the forward passes here: the identity test comes first.
-        if func not in _SLICED or not rng.is_active() or kwargs.get("generator") is not None:
-            return func(*args, **kwargs)
+    def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func is F.dropout or func is torch.dropout:
             a = _bind_dropout(func, args, kwargs)
             if not a["training"] or a["p"] == 0.0:
                 return func(*args, **kwargs)
-            with _generator_alone():
-                out = self._back(rng.dropout(self._global(a["input"]), a["p"], True), a["input"])
+            out = self._back(rng.dropout(self._global(a["input"]), a["p"], True), a["input"])
             return a["input"].copy_(out) if a["inplace"] else out
         a = {**dict(zip(_SDPA_ARGS, args, strict=False)), **kwargs}  # attention
         if not a.get("dropout_p"):
             return func(*args, **kwargs)
         q = a["query"]
         batched = {k: self._global(v) if _has_batch(v, q) else v for k, v in a.items()}
-        with _generator_alone():
-            return self._back(rng.sdpa(**batched), q)
+        return self._back(rng.sdpa(**batched), q)
 
     def _global(self, t: torch.Tensor) -> DTensor:
         if isinstance(t, DTensor):
@@ -177,14 +170,6 @@ class _SlicedRandomness(TorchFunctionMode):
         if isinstance(like, DTensor):
             return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False)
         return local
-
-
-def _generator_alone() -> AbstractContextManager:
-    """Lift executor.rng's mode, next down the stack, while this mode calls the generator
-    directly: otherwise the mode would intercept each of the generator's own integer ops
-    (about a thousand per step for a small Llama)."""
-    stack = torch.overrides._get_current_function_mode_stack()
-    return rng.suspended() if stack and stack[-1] is rng._MODE else nullcontext()
 
 
 def _has_batch(v: Any, query: torch.Tensor) -> bool:

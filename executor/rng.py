@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "deactivate",
     "checkpoint_context_fn",
     "batch_rows",
+    "redirected",
     "suspended",
     "use_compiled_generator",
     "dropout",
@@ -221,19 +225,25 @@ def _words(seed: int, op: int, where: _Indices, per: int) -> torch.Tensor:
 
 
 def _philox(seed: int, op: int, blocks: torch.Tensor) -> torch.Tensor:
-    """``(len(blocks), 4)`` words, from the compiled kernel when it is switched on."""
+    """``(len(blocks), 4)`` words, from the compiled kernel where it is on and works."""
     key = (seed & _M32, seed >> 32)
-    if _COMPILED["fn"] is None:
-        # Words equal for every element stay Python ints, which saves most of the
-        # first two rounds (see philox4x32); the block's high word is 0 below
-        # 2**32 blocks (16 Gi elements), checked here rather than assumed.
-        high = blocks >> 32 if blocks.numel() and int(blocks.max()) >> 32 else 0
-        words = philox4x32((blocks & _M32, high, op & _M32, op >> 32), key)
-        return torch.stack(words, dim=-1)
-    as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=blocks.device)
-    return _COMPILED["fn"](
-        blocks, as_tensor(key[0]), as_tensor(key[1]), as_tensor(op & _M32), as_tensor(op >> 32)
-    )
+    compiled = _compiled_kernel(blocks)
+    if compiled is not None:
+        as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=blocks.device)
+        try:
+            return compiled(blocks, as_tensor(key[0]), as_tensor(key[1]),
+                            as_tensor(op & _M32), as_tensor(op >> 32))
+        except Exception as e:  # no C++ compiler, no triton, an inductor bug: same bits eagerly
+            _LOG.warning("executor.rng: the compiled Philox kernel failed (%s: %s); drawing "
+                         "with eager torch ops from now on (same bits, slower)",
+                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            _COMPILED["fn"], _COMPILED["enabled"] = None, False
+    # Words equal for every element stay Python ints, which saves most of the
+    # first two rounds (see philox4x32); the block's high word is 0 below
+    # 2**32 blocks (16 Gi elements), checked here rather than assumed.
+    high = blocks >> 32 if blocks.numel() and int(blocks.max()) >> 32 else 0
+    words = philox4x32((blocks & _M32, high, op & _M32, op >> 32), key)
+    return torch.stack(words, dim=-1)
 
 
 def _philox_blocks(
@@ -249,19 +259,43 @@ def _philox_blocks(
     return torch.stack(out, dim=-1)
 
 
-_COMPILED: dict[str, Callable[..., torch.Tensor] | None] = {"fn": None}
+_LOG = logging.getLogger(__name__)
+# enabled: None = not decided yet (the default: on unless MESHPLAN_RNG_KERNEL=eager).
+_COMPILED: dict[str, Any] = {"fn": None, "enabled": None}
+
+
+def _kernel_enabled() -> bool:
+    if _COMPILED["enabled"] is None:
+        _COMPILED["enabled"] = os.environ.get("MESHPLAN_RNG_KERNEL", "compiled") != "eager"
+    return _COMPILED["enabled"]
+
+
+def _compiled_kernel(blocks: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """The compiled kernel for real tensors (meta and fake tensors of a dry run draw
+    eagerly: there is nothing to compute), built on first use."""
+    if not _kernel_enabled() or blocks.is_meta or is_fake(blocks):
+        return None
+    if _COMPILED["fn"] is None:
+        _LOG.info("executor.rng: compiling the Philox kernel (once per process; seconds with "
+                  "a warm inductor cache, about 30 s cold)")
+        _COMPILED["fn"] = torch.compile(_philox_blocks, dynamic=True)
+    return _COMPILED["fn"]
 
 
 def use_compiled_generator(enabled: bool = True) -> None:
-    """Run the Philox rounds as one ``torch.compile``'d kernel instead of ~260 eager ops.
+    """Draw with one ``torch.compile``'d Philox kernel (the default) or ~95 eager torch ops.
 
-    Off by default because the first call compiles (seconds with a warm
-    inductor cache, minutes cold); on, generation runs at the speed of
-    torch's native dropout (see bench/rng.py).  Integer ops are exact, so the
-    bits do not change.  Seed and counter are passed as tensors so the kernel
-    is compiled once, not once per op.
+    The compiled kernel runs at the speed of torch's native dropout (bench/rng.py);
+    the eager ops cost 2-3x that, which is most of what consistent dropout costs a
+    step.  Integer ops are exact, so the bits are the same either way.  The kernel is
+    compiled on the first draw of the process (seconds with a warm inductor cache,
+    about 30 s cold); where compiling fails (no C++ compiler for CPU, no triton for
+    CUDA) the generator logs a warning and stays eager.  ``MESHPLAN_RNG_KERNEL=eager``
+    in the environment makes eager the default (the test suite uses it, to spare every
+    spawned rank the compile).  Seed and counter are passed as tensors, so the kernel is
+    compiled once, not once per op.
     """
-    _COMPILED["fn"] = torch.compile(_philox_blocks, dynamic=True) if enabled else None
+    _COMPILED["fn"], _COMPILED["enabled"] = None, enabled
 
 
 def _mantissa_bits(dtype: torch.dtype) -> int:
@@ -617,8 +651,10 @@ Sampler = Callable[[int, int, _Indices], torch.Tensor]
 # than keeping each pass's kernels (8192 Philox blocks for dropout) below
 # GRAIN_SIZE, where they run serially and stay in L2 (bench/rng.py).
 _DRAW_CHUNK = 1 << 15
-# Accelerators have no such barrier but pay a launch per kernel: large passes.
-_DRAW_CHUNK_ACCELERATOR = 1 << 22
+# Accelerators have no such barrier but pay a launch per kernel, and the compiled
+# kernel is one pass whatever the device, paying its call overhead (tens of us of
+# guards) per pass: large passes.
+_DRAW_CHUNK_ONE_KERNEL = 1 << 22
 
 
 def _draw(sampler: Sampler, seed: int, op: int, where: _Indices) -> torch.Tensor:
@@ -627,7 +663,8 @@ def _draw(sampler: Sampler, seed: int, op: int, where: _Indices) -> torch.Tensor
     Philox needs about 16 bytes of int64 scratch per element; chunking bounds
     that whatever the shard size (see _DRAW_CHUNK for the CPU size).
     """
-    chunk = _DRAW_CHUNK if where.device.type == "cpu" else _DRAW_CHUNK_ACCELERATOR
+    one_kernel = where.device.type != "cpu" or _kernel_enabled()
+    chunk = _DRAW_CHUNK_ONE_KERNEL if one_kernel else _DRAW_CHUNK
     if where.count <= chunk:
         return sampler(seed, op, where)
     return torch.cat([sampler(seed, op, part) for part in where.split(chunk)])
@@ -1199,13 +1236,40 @@ def _hf_guarded(name: str) -> Callable[..., torch.Tensor] | None:
     return guarded
 
 
+_NOT_RANDOM: set[Any] = set()  # functions seen and not covered: every op of a step passes here
+
+
 def _handler(func: Callable[..., Any]) -> Callable[..., Any] | None:
     handler = _HANDLERS.get(func)
-    if handler is None and getattr(func, "__module__", None) == "transformers.initialization":
+    if handler is not None or func in _NOT_RANDOM:
+        return handler
+    if getattr(func, "__module__", None) == "transformers.initialization":
         handler = _hf_guarded(func.__name__)
-        if handler is not None:
-            _HANDLERS[func] = handler
+    if handler is None:
+        _NOT_RANDOM.add(func)
+    else:
+        _HANDLERS[func] = handler
     return handler
+
+
+class _Redirect(threading.local):
+    fn: Callable[[Any, tuple, dict], Any] | None = None
+
+
+_REDIRECT = _Redirect()
+_REDIRECTABLE = frozenset({F.dropout, torch.dropout, F.scaled_dot_product_attention})
+
+
+@contextmanager
+def redirected(fn: Callable[[Any, tuple, dict], Any]) -> Iterator[None]:
+    """While active on this thread, the dropout and attention calls this module
+    intercepts go to ``fn(func, args, kwargs)`` instead (executor.data draws them for the
+    rank's batch slice, through :func:`dropout` and :func:`sdpa`)."""
+    saved, _REDIRECT.fn = _REDIRECT.fn, fn
+    try:
+        yield
+    finally:
+        _REDIRECT.fn = saved
 
 
 class _RandomMode(TorchFunctionMode):
@@ -1222,6 +1286,8 @@ class _RandomMode(TorchFunctionMode):
         handler = _handler(func)
         if handler is None or kwargs.get("generator") is not None:
             return func(*args, **kwargs)
+        if _REDIRECT.fn is not None and func in _REDIRECTABLE:
+            return _REDIRECT.fn(func, args, kwargs)
         return handler(*args, **kwargs)
 
 

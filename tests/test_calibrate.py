@@ -75,6 +75,8 @@ def test_calibrate_small_run_writes_a_loadable_profile(tmp_path):
     (level,) = profile.levels
     assert [g.size for g in level.groups] == [2]
     assert any("groups of [2]" in m for m in messages) and messages[-1].startswith("wrote")
+    # the overlap of a collective with compute was measured and recorded with its method
+    assert any("overlap_exposure" in m for m in messages) and "overlap_exposure" in profile.source
     # the fitted profile predicts a 1 MB all-reduce between 2 processes within an order of magnitude
     t = collective_time(profile, "all_reduce", 2**20, [2], 0)
     assert 1e-6 < t < 1.0

@@ -112,6 +112,8 @@ def test_unknown_profile_name_lists_shipped_names(tmp_path):
         (("peak_flops", "bf16"), 0, "peak_flops.bf16"),
         (("gemm_efficiency", 1, "efficiency"), 0.0, "gemm_efficiency.1.efficiency"),
         (("memory_bytes",), -5, "memory_bytes"),
+        (("overlap_exposure",), -0.1, "overlap_exposure"),
+        (("overlap_exposure",), 5.0, "overlap_exposure"),
     ],
 )
 def test_profile_errors_name_the_field(path, value, loc):
@@ -599,6 +601,21 @@ def test_exposed_overlap():
     assert exposed(1.0, 10.0, layers=10) == pytest.approx(0.1)  # only the first prefetch shows
     assert exposed(10.0, 1.0, layers=10) == pytest.approx(1.0 + 0.9 * 9)  # comm-bound
     assert exposed(3.0, 0.0, layers=1) == 3.0
+    # a CPU whose collectives need the compute's cores: the concurrent part shows too
+    assert exposed(1.0, 10.0, layers=10, overlap_exposure=1.0) == pytest.approx(1.0)  # serialised
+    assert exposed(1.0, 10.0, layers=10, overlap_exposure=0.5) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert exposed(10.0, 1.0, layers=10, overlap_exposure=1.0) == pytest.approx(10.0)
+    # contention that also slows the compute costs more than the collective alone
+    assert exposed(1.0, 10.0, layers=10, overlap_exposure=2.0) == pytest.approx(1.9)
+
+
+def test_compose_step_charges_the_stage_overlap_exposure():
+    hidden = StageCost(1.0, 2.0, gather_forward_s=0.4, gather_backward_s=0.4, layers=4)
+    serial = StageCost(1.0, 2.0, gather_forward_s=0.4, gather_backward_s=0.4, layers=4,
+                       overlap_exposure=1.0)
+    assert compose_step([hidden]).exposed_communication_s == pytest.approx(0.2)  # first units only
+    assert compose_step([serial]).exposed_communication_s == pytest.approx(0.8)
+    assert load_profile("h100-sxm-80g").overlap_exposure == 0.0  # NCCL runs beside the kernels
 
 
 def test_compose_step_single_stage():

@@ -45,9 +45,27 @@ class MLP(nn.Module):
         return self.down_proj(self.drop(torch.relu(self.up_proj(x))))
 
 
+class CenteredMLP(nn.Module):
+    """An MLP block that centres its hidden activations: under a column-parallel
+    ``up_proj`` the mean runs over a sharded dim, which DTensor reduces and a local shard
+    cannot, so the block must stay on DTensor."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.block = MLP(dropout)
+        self.block.forward = self.centred  # type: ignore[method-assign]
+
+    def centred(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.block.up_proj(x))
+        return self.block.down_proj(self.block.drop(h - h.mean(-1, keepdim=True)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
 @dataclass(frozen=True)
 class Case:
-    model: str  # "llama", "qwen2", "mistral" (tiny Llama shapes), "gpt2" or "mlp"
+    model: str  # "llama", "qwen2", "mistral" (tiny Llama shapes), "gpt2", "mlp" or "centered-mlp"
     mesh: dict[str, int] = field(default_factory=lambda: {"dp": 1})
     fsdp: bool = False
     sp: bool = False
@@ -70,9 +88,9 @@ class Case:
 
 def build(case: Case) -> nn.Module:
     device = "meta" if case.meta else "cpu"
-    if case.model == "mlp":
+    if case.model in ("mlp", "centered-mlp"):
         with torch.device(device):
-            model = MLP(case.dropout)
+            model = (MLP if case.model == "mlp" else CenteredMLP)(case.dropout)
     elif case.model in ("llama", "qwen2", "mistral"):  # qwen2 adds q/k/v biases
         cfg = {**PRESETS["llama-tiny"], "model_type": case.model, "attention_dropout": case.dropout}
         model = build_model(load_config(cfg), device=device)
@@ -86,7 +104,7 @@ def build(case: Case) -> nn.Module:
 def batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
     with executor.rng.suspended():
         g = torch.Generator().manual_seed(7)
-        if case.model == "mlp":
+        if case.model.endswith("mlp"):
             return [(torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 16, generator=g))
                     for _ in range(STEPS)]
         ids = [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
@@ -94,7 +112,7 @@ def batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def loss_of(model: nn.Module, case: Case, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if case.model == "mlp":
+    if case.model.endswith("mlp"):
         return F.mse_loss(model(x), y)  # computed from the (global) output in the loop
     if case.logits_loss:  # reads the logits, which the executor then gathers
         return F.cross_entropy(model(input_ids=x, use_cache=False).logits.flatten(0, 1), y.flatten())
@@ -126,7 +144,8 @@ def train(case: Case, plan_json: str | None = None) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads, "params": _full(dict(model.named_parameters()))}
+    return {"losses": losses, "grads": grads, "params": _full(dict(model.named_parameters())),
+            "local": executor.local_regions.running_locally(model)}
 
 
 def _full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -176,6 +195,7 @@ CASES_2 = [
     Case("qwen2", {"tp": 2}, sp=True, dropout=0.1),
     Case("mistral", {"tp": 2}, dropout=0.1),
     Case("mlp", {"tp": 2}),
+    Case("centered-mlp", {"tp": 2}, dropout=0.1),
 ]
 
 
@@ -229,6 +249,17 @@ def test_four_ranks_match_single_device(case: Case, world4: dict, references: di
 @pytest.mark.parametrize("case", CASES_2, ids=lambda c: c.name)
 def test_two_ranks_match_single_device(case: Case, world2: dict, references: dict) -> None:
     _assert_matches(world2[case.name], references[case.reference().name])
+
+
+def test_tensor_parallel_blocks_run_on_local_shards(world2: dict, world4: dict) -> None:
+    """Attention and MLP blocks pass their check and run locally in the cases above (which
+    match one device); a block whose local run would differ stays on DTensor."""
+    layers = PRESETS["llama-tiny"]["num_hidden_layers"]
+    blocks = [f"model.layers.{i}.{b}" for i in range(layers) for b in ("self_attn", "mlp")]
+    for name, result in {**world2, **world4["train"]}.items():
+        if name.startswith(("llama-tp2", "qwen2-tp2", "mistral-tp2", "llama-dp2xtp2")):
+            assert result["local"] == blocks, name
+    assert world2[Case("centered-mlp", {"tp": 2}, dropout=0.1).name]["local"] == []
 
 
 @pytest.mark.parametrize("mesh", list(PLANNER_MESHES))
@@ -331,16 +362,23 @@ def tp2_on_fake_group(sp: bool) -> Iterator[nn.Module]:
         executor.rng.deactivate()
 
 
-def test_sequence_parallel_rowwise_outputs_are_reduce_scattered() -> None:
+@pytest.mark.parametrize("learned", [False, True], ids=["dtensor", "local-blocks"])
+def test_sequence_parallel_rowwise_outputs_are_reduce_scattered(learned: bool) -> None:
     """o_proj / down_proj leave a pending sum that the plan wants as S(1): one reduce-scatter
-    each, not an all-reduce (twice the bytes) followed by a slice."""
-    with tp2_on_fake_group(sp=True) as model, CommDebugMode() as comm:
-        out = model(input_ids=torch.zeros(BATCH, SEQ, dtype=torch.long), use_cache=False)
-        forward = {op.__name__: n for op, n in comm.get_comm_counts().items()}
-        out.logits.sum()
-        out["logits"].sum()  # read again: no second gather
-        read = {op.__name__: n for op, n in comm.get_comm_counts().items()}
+    each, not an all-reduce (twice the bytes) followed by a slice.  Blocks running on local
+    shards (after a training step taught them) issue exactly the same collectives."""
     layers = PRESETS["llama-tiny"]["num_hidden_layers"]
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    with tp2_on_fake_group(sp=True) as model:
+        if learned:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            assert len(executor.local_regions.running_locally(model)) == 2 * layers
+        with CommDebugMode() as comm:
+            out = model(input_ids=ids, use_cache=False)
+            forward = {op.__name__: n for op, n in comm.get_comm_counts().items()}
+            out.logits.sum()
+            out["logits"].sum()  # read again: no second gather
+            read = {op.__name__: n for op, n in comm.get_comm_counts().items()}
     # per layer: gather before attention and MLP, reduce-scatter after them; then the
     # final norm's output gathered for lm_head
     assert forward == {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers}

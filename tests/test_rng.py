@@ -429,6 +429,38 @@ def test_chunked_generation_is_seamless(monkeypatch: pytest.MonkeyPatch) -> None
     assert all(torch.equal(a, b) for a, b in zip(whole, pieces, strict=True))
 
 
+def test_compiled_kernel_draws_the_eager_bits(caplog: pytest.LogCaptureFixture) -> None:
+    """The default compiled Philox kernel gives the eager ops' bits for every index form,
+    and a kernel that fails hands over to the eager ops with a warning, bits unchanged."""
+    forms = [
+        _Indices(3, 1001, torch.device("cpu")),  # a range, not starting on lane 0
+        _Indices(0, 3 * 40, torch.device("cpu"), rows=torch.tensor([0, 400, 801]), run=40),
+        _Indices(0, 4, torch.device("cpu"), explicit=torch.tensor([1, 2, 9, 2**33 + 5])),
+    ]
+
+    def draw() -> list[torch.Tensor]:
+        rng.manual_seed(SEED)  # and a dropout of more than one eager pass (_DRAW_CHUNK)
+        return [F.dropout(torch.ones(3 * rng._DRAW_CHUNK + 5), 0.3),
+                *(_words(2**40 + 7, op, where, per) for op, where in enumerate(forms) for per in (1, 2, 4))]
+
+    rng.use_compiled_generator(False)
+    eager = draw()
+    try:
+        rng.use_compiled_generator(True)
+        assert all(torch.equal(a, b) for a, b in zip(eager, draw(), strict=True))
+
+        def broken(*args: object) -> torch.Tensor:
+            raise RuntimeError("no compiler here")
+
+        rng._COMPILED["fn"] = broken
+        with caplog.at_level("WARNING", logger="executor.rng"):
+            assert all(torch.equal(a, b) for a, b in zip(eager, draw(), strict=True))
+        assert "compiled Philox kernel failed (RuntimeError: no compiler here)" in caplog.text
+        assert rng._COMPILED["enabled"] is False  # stays eager: one warning, not one per draw
+    finally:
+        rng.use_compiled_generator(False)
+
+
 def test_shard_boxes_map_to_global_indices() -> None:
     """Sub-boxes of a row-major tensor: contiguous ones as a range, others element by element."""
     full = torch.arange(9 * 7 * 4).reshape(9, 7, 4)

@@ -1,0 +1,389 @@
+"""Module bodies on local shards: DTensor's per-op dispatch skipped where one DTensor run
+shows what it would do.
+
+Under tensor parallelism every op of an attention or MLP body (views, transposes, the
+rotary embedding, activations) dispatches through DTensor: tens of microseconds of Python
+per op and again in backward, about 10% of a small Llama's step on CPU.  TorchTitan hands
+plain local tensors between its parallel modules, which is right only because its author
+knows the model.  Here each *region* (a module whose parameters all sit in direct
+``nn.Linear`` children: HF attention and MLP blocks) learns it instead:
+
+1. **Record.**  The first grad-enabled call runs through DTensor as before, while every
+   executor boundary inside it (the hooks that convert activations, executor.apply; the
+   random ops, executor.rng) writes on a *tape* the DTensor layout (mesh, placements,
+   global shape and stride) of what it receives and returns, and, in a backward over that
+   run for a fixed cotangent, the placements of their gradients.
+2. **Check.**  The region runs again on local tensors, the tape replayed at the same
+   boundaries (a local tensor is wrapped with the recorded layout, converted as recorded,
+   and unwrapped), from the same random state.  Outputs and the gradients of inputs and
+   parameters must match the DTensor run; the ranks of the model mesh agree (all-reduce
+   MIN) before the region goes local.  A region that fails, or whose body does anything
+   the tape cannot replay, stays on DTensor (logged).  On torch's ``fake`` process group
+   collectives return garbage, so there the check is structural only (the replay runs and
+   matches the tape).  Learning waits while a tool hooks every module (CommDebugMode,
+   FlopCounterMode), which the extra runs would confuse.
+3. **Replay.**  Later calls with the same input shapes run locally with the tape: the
+   same collectives at the same boundaries, none of DTensor's dispatch in between.
+
+The check runs with saved-tensor hooks and dispatch modes lifted (activation
+checkpointing must not see it) on detached copies of the inputs, and the random state is
+restored afterwards, so the real call draws what the DTensor call would have drawn.
+
+Hand-written: torch has no way to run a module on local shards with DTensor's semantics
+other than TorchTitan's per-model parallel styles, which assume what is checked here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from executor import rng
+
+_LOG = logging.getLogger(__name__)
+MAX_SHAPES = 4  # input-shape signatures learned per region; others run through DTensor
+
+
+class _Mismatch(Exception):
+    """The replay left the recorded path."""
+
+
+@dataclass
+class _Layout:
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+    local_shape: torch.Size
+    grad: tuple[Placement, ...] | None = None  # filled in the recording's backward
+
+    @staticmethod
+    def of(t: DTensor) -> _Layout:
+        return _Layout(t.device_mesh, tuple(t.placements), t.shape, t.stride(), t.to_local().shape)
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        if local.shape != self.local_shape:
+            raise _Mismatch(f"local shape {tuple(local.shape)}, recorded {tuple(self.local_shape)}")
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                  shape=self.shape, stride=self.stride)
+
+    def unwrap(self, t: DTensor) -> torch.Tensor:
+        return t.to_local(grad_placements=self.grad or self.placements)
+
+    def watch(self, t: torch.Tensor) -> None:
+        """Record the placements of ``t``'s gradient when the recording's backward runs."""
+        if t.requires_grad:
+            t.register_hook(self._seen)
+
+    def _seen(self, grad: torch.Tensor) -> None:
+        if isinstance(grad, DTensor):
+            self.grad = tuple(grad.placements)
+
+
+@dataclass
+class _Step:
+    """One boundary crossing: the layouts of what went in and what came out (None: a
+    plain tensor), and whether the boundary changed anything."""
+
+    ins: list[_Layout | None]
+    outs: list[_Layout | None]
+    changed: bool
+
+
+@dataclass
+class _Tape:
+    inputs: list[_Layout | None] = field(default_factory=list)
+    steps: list[_Step] = field(default_factory=list)
+    outputs: list[_Layout | None] = field(default_factory=list)
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.mode: str | None = None  # "record" or "replay"
+        self.tape: _Tape | None = None
+        self.at = 0
+
+
+_STATE = _State()
+
+
+def active() -> bool:
+    """Whether a region is being recorded or replayed on this thread: the executor's hooks
+    then convert every tensor through :func:`convert`, so both runs cross the same steps."""
+    return _STATE.mode is not None
+
+
+def convert(values: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn(values)`` (a tensor, or a pytree of them), taped inside a region."""
+    if _STATE.mode is None:
+        return fn(values)
+    tape = _STATE.tape
+    if _STATE.mode == "record":
+        out = fn(values)
+        leaves_in, _ = tree_flatten(values)
+        leaves_out, _ = tree_flatten(out)
+        step = _Step(_layouts(leaves_in), _layouts(leaves_out),
+                     any(a is not b for a, b in zip(leaves_in, leaves_out, strict=False))
+                     or len(leaves_in) != len(leaves_out))
+        for t, layout in zip(leaves_out, step.outs, strict=True):
+            if layout is not None and step.changed:
+                layout.watch(t)
+        tape.steps.append(step)
+        return out
+    if _STATE.at >= len(tape.steps):
+        raise _Mismatch("more boundary crossings than recorded")
+    step = tape.steps[_STATE.at]
+    _STATE.at += 1
+    if not step.changed:
+        return values
+    leaves, spec = tree_flatten(values)
+    if len(leaves) != len(step.ins):
+        raise _Mismatch("a boundary received another number of values than recorded")
+    wrapped = [lay.wrap(t) if lay is not None else t for t, lay in zip(leaves, step.ins, strict=True)]
+    out_leaves, out_spec = tree_flatten(fn(tree_unflatten(wrapped, spec)))
+    if len(out_leaves) != len(step.outs):
+        raise _Mismatch("a boundary returned another number of values than recorded")
+    return tree_unflatten([lay.unwrap(t) if isinstance(t, DTensor) and lay is not None else t
+                           for t, lay in zip(out_leaves, step.outs, strict=True)], out_spec)
+
+
+def _layouts(leaves: list[Any]) -> list[_Layout | None]:
+    return [_Layout.of(t) if isinstance(t, DTensor) else None for t in leaves]
+
+
+class _RandomOps(TorchFunctionMode):
+    """Random ops are boundaries too: executor.rng draws a shard's values from its global
+    layout, which a local tensor has lost."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if rng._handler(func) is None or kwargs.get("generator") is not None or not rng.is_active():
+            return func(*args, **kwargs)
+        return convert((args, kwargs), lambda a: func(*a[0], **a[1]))
+
+
+@contextmanager
+def _taping(mode: str, tape: _Tape) -> Iterator[None]:
+    saved = (_STATE.mode, _STATE.tape, _STATE.at)
+    _STATE.mode, _STATE.tape, _STATE.at = mode, tape, 0
+    try:
+        with _RandomOps():
+            yield
+        if mode == "replay" and _STATE.at != len(tape.steps):
+            raise _Mismatch("fewer boundary crossings than recorded")
+    finally:
+        _STATE.mode, _STATE.tape, _STATE.at = saved
+
+
+class Region:
+    """One module whose forward runs on local shards once its tape is checked."""
+
+    def __init__(self, fqn: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        self.fqn, self.module, self.mesh = fqn, module, mesh
+        self.forward = module.forward
+        self.tapes: dict[tuple, _Tape | None] = {}
+        module.forward = self  # an instance attribute: module hooks still run around it
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _STATE.mode is not None:  # inside another region's recording or replay
+            return self.forward(*args, **kwargs)
+        key = _signature((args, kwargs))
+        if key not in self.tapes:
+            if not torch.is_grad_enabled() or len(self.tapes) >= MAX_SHAPES or _hooked_globally():
+                return self.forward(*args, **kwargs)
+            self.tapes[key] = self._learn(args, kwargs)
+        tape = self.tapes[key]
+        if tape is None:
+            return self.forward(*args, **kwargs)
+        return self._replay(tape, args, kwargs)
+
+    # -- the three runs -----------------------------------------------------------------
+
+    def _record(self, args: tuple, kwargs: dict) -> tuple[_Tape, Any]:
+        tape = _Tape()
+        leaves, _ = tree_flatten((args, kwargs))
+        tape.inputs = _layouts(leaves)
+        for t, layout in zip(leaves, tape.inputs, strict=True):
+            if layout is not None:
+                layout.watch(t)
+        with _taping("record", tape):
+            out = self.forward(*args, **kwargs)
+        tape.outputs = _layouts(tree_flatten(out)[0])
+        return tape, out
+
+    def _replay(self, tape: _Tape, args: tuple, kwargs: dict) -> Any:
+        leaves, spec = tree_flatten((args, kwargs))
+        local = [lay.unwrap(t) if lay is not None and isinstance(t, DTensor) else t
+                 for t, lay in zip(leaves, tape.inputs, strict=True)]
+        largs, lkwargs = tree_unflatten(local, spec)
+        with _taping("replay", tape), _local_parameters(self.module):
+            out = self.forward(*largs, **lkwargs)
+        out_leaves, out_spec = tree_flatten(out)
+        if len(out_leaves) != len(tape.outputs):
+            raise _Mismatch("another number of outputs than recorded")
+        return tree_unflatten([lay.wrap(t) if lay is not None else t
+                               for t, lay in zip(out_leaves, tape.outputs, strict=True)], out_spec)
+
+    def _learn(self, args: tuple, kwargs: dict) -> _Tape | None:
+        state = rng.get_state() if rng.is_active() else None
+        leaves, spec = tree_flatten((args, kwargs))
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        try:
+            with _isolated():
+                inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                          for t in leaves]
+                dargs, dkwargs = tree_unflatten(inputs, spec)
+                tape, expected = self._record(dargs, dkwargs)
+                expected_grads = _vjp(expected, inputs, params)
+                if state is not None:
+                    rng.set_state(state)
+                got = self._replay(tape, dargs, dkwargs)
+                ok = _matches(expected, got) and _matches(expected_grads, _vjp(got, inputs, params))
+                reason = "" if ok else "local run differs from DTensor's"
+        except (_Mismatch, RuntimeError, ValueError, TypeError) as e:
+            tape, ok, reason = None, False, f"{type(e).__name__}: {e}"
+        finally:
+            if state is not None:
+                rng.set_state(state)
+        ok = _all_agree(ok, self.mesh)
+        if not ok:
+            _LOG.info("executor: %s stays on DTensor (%s)", self.fqn, reason or "another rank's check failed")
+            return None
+        _LOG.info("executor: %s runs on local shards", self.fqn)
+        return tape
+
+
+def regions(model: nn.Module, mesh: DeviceMesh) -> list[Region]:
+    """Make every region of ``model`` (parameters only in direct ``nn.Linear`` children,
+    all DTensors on ``mesh``) learn to run locally."""
+    found = []
+    for fqn, module in model.named_modules():
+        if module is model or any(True for _ in module.parameters(recurse=False)):
+            continue
+        holders = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
+        children = set(module.children())
+        if holders and all(isinstance(m, nn.Linear) and m in children for m in holders) and all(
+                isinstance(p, DTensor) for p in module.parameters()):
+            found.append(Region(fqn, module, mesh))
+    return found
+
+
+def running_locally(model: nn.Module) -> list[str]:
+    """FQNs of the regions of ``model`` that run on local shards (for at least one input shape)."""
+    return [fqn for fqn, m in model.named_modules()
+            if isinstance(vars(m).get("forward"), Region) and any(vars(m)["forward"].tapes.values())]
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+def _hooked_globally() -> bool:
+    """Whether a tool hooks every module (CommDebugMode's module tracker, FlopCounterMode):
+    the check's extra runs and backward would confuse it, so learning waits for a call
+    it does not watch.  (Reads torch's private hook registries; if they move, this
+    answers no, and such a tool sees the check.)"""
+    from torch.nn.modules import module
+
+    return any(getattr(module, name, None) for name in (
+        "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+        "_global_backward_hooks"))
+
+
+def _signature(tree: Any) -> tuple:
+    leaves, spec = tree_flatten(tree)
+    return (str(spec), *((type(t).__name__, tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t)
+                         for t in leaves))
+
+
+@contextmanager
+def _local_parameters(module: nn.Module) -> Iterator[None]:
+    """The region's DTensor parameters swapped for their local shards (differentiable:
+    gradients reach the DTensor parameters with their placements)."""
+    swapped = []
+    for child in module.children():
+        for name, p in list(child._parameters.items()):
+            if isinstance(p, DTensor):
+                swapped.append((child, name, p))
+                child._parameters[name] = p.to_local()
+    try:
+        yield
+    finally:
+        for child, name, p in swapped:
+            child._parameters[name] = p
+
+
+@contextmanager
+def _isolated() -> Iterator[None]:
+    """The check's runs save their tensors normally and escape dispatch modes (activation
+    checkpointing's, a debug mode's), so the forward around it is unaffected."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), _disable_current_modes():
+        yield
+
+
+def _vjp(out: Any, inputs: list[Any], params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Gradients of ``out`` for a fixed cotangent (a function of each element's global index)."""
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad] + params
+    if not outs or not wrt:
+        return []
+    cotangents = [_cotangent(t) for t in outs]
+    return list(torch.autograd.grad(outs, wrt, cotangents, allow_unused=True))
+
+
+def _cotangent(t: torch.Tensor) -> torch.Tensor:
+    full = torch.sin(torch.arange(t.numel(), dtype=t.dtype, device=_device(t)) * 0.37).view(t.shape)
+    if not isinstance(t, DTensor):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, t.device_mesh, t.placements)
+
+
+def _device(t: torch.Tensor) -> torch.device:
+    return t.to_local().device if isinstance(t, DTensor) else t.device
+
+
+def _matches(a: Any, b: Any) -> bool:
+    xs, ys = tree_flatten(a)[0], tree_flatten(b)[0]
+    if len(xs) != len(ys):
+        return False
+    fake = dist.is_initialized() and dist.get_backend() == "fake"
+    for x, y in zip(xs, ys, strict=True):
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            if (x is None) != (y is None):
+                return False
+            continue
+        x, y = ((t.full_tensor() if isinstance(t, DTensor) else t).detach() for t in (x, y))
+        if x.shape != y.shape:
+            return False
+        if not fake and not torch.allclose(x, y, rtol=1e-5, atol=1e-6 * max(1.0, float(x.abs().max()))):
+            return False
+    return True
+
+
+def _all_agree(ok: bool, mesh: DeviceMesh) -> bool:
+    flag = torch.tensor([int(ok)], device=_mesh_device(mesh))
+    for dim in range(mesh.ndim):
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
+    return bool(flag.item())
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
