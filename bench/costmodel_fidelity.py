@@ -45,7 +45,13 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import executor
 import planner
-from cost_model.calibrate import _collective, cold_gemm_time, measure_job, profile_from_job
+from cost_model.calibrate import (
+    _collective,
+    cold_gemm_time,
+    measure_job,
+    profile_from_job,
+    together,
+)
 from cost_model.comm import collective_time
 from cost_model.compute import gemm_efficiency
 from cost_model.profile import load_profile
@@ -164,9 +170,10 @@ GEMM_SHAPES = {"square 1024^3": (1024, 1024, 1024), "TP kv shard 1024x256x32": (
 
 def _gemm_rates() -> dict[str, float]:
     """FLOP/s of fp32 GEMMs of GEMM_SHAPES, all ranks at once, timed as calibrate times
-    its square ones (``cold_gemm_time``): what a rank's "device" delivers here, square
-    and thin, to compare with the profile's rate at the same FLOPs."""
-    return {name: 2.0 * m * k * n / cold_gemm_time(m, k, n) for name, (m, k, n) in GEMM_SHAPES.items()}
+    its square ones (``together`` + ``cold_gemm_time``): what a rank's "device" delivers
+    here, square and thin, to compare with the profile's rate at the same FLOPs."""
+    return {name: 2.0 * m * k * n / together(lambda m=m, k=k, n=n: cold_gemm_time(m, k, n))
+            for name, (m, k, n) in GEMM_SHAPES.items()}
 
 
 def _worker(rank: int, init_file: str, out: str, warmup: int, steps: int, repeats: int,

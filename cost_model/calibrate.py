@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import psutil
@@ -50,6 +50,7 @@ GEMM_SIZES = (64, 128, 256, 512, 1024)
 COPY_BYTES = 16 * 2**20  # larger than a core's share of the last-level cache
 COLD_BYTES = 64 * 2**20  # GEMM operand pool per rank: 4 ranks' pools overflow a 105 MB L3
 _REPEATS = 7
+_T = TypeVar("_T")
 OVERLAP_BYTES = 8 * 2**20  # a layer's gradients or parameters in the fidelity model's range
 _OVERLAP_COMPUTE = 3  # the compute alone takes ~3x the collective alone: room to hide it
 
@@ -77,6 +78,25 @@ def _median_time(fn: Callable[[], object], window_s: float = 0.04, windows: int 
             calls += 1
         per_call.append(elapsed / calls)
     return statistics.median(per_call)
+
+
+def together(measure: Callable[[], _T]) -> _T:
+    """``measure()`` started on every rank at once, then this rank's core kept busy (with
+    small matmuls) until every rank has finished.
+
+    Training keeps every rank computing; a rank that finished a micro-benchmark early and
+    waited idle would hand the laggards a core of their own, and the last rank to finish
+    would measure a machine no training rank ever gets (seen here: a 1024^3 GEMM at 71
+    GFLOP/s in calibration, 39 in the training job minutes later).
+    """
+    dist.barrier()
+    result = measure()
+    done = dist.barrier(async_op=True)
+    busy = torch.randn(128, 128)
+    while not done.is_completed():
+        busy @ busy
+    done.wait()
+    return result
 
 
 def measure_op_overhead(world: int) -> tuple[float, float]:
@@ -118,7 +138,7 @@ def measure_gemm(dtype: torch.dtype, dispatch_s: float = 0.0) -> list[tuple[floa
     out = []
     for n in GEMM_SIZES:
         flops = 2.0 * n**3
-        t = cold_gemm_time(n, n, n, dtype)
+        t = together(lambda n=n: cold_gemm_time(n, n, n, dtype))
         out.append((flops, flops / max(t - dispatch_s, t / 2)))
     return out
 
@@ -132,17 +152,14 @@ def measure_memory_bandwidth(nbytes: int = COPY_BYTES) -> float:
 
 def measure_device(world: int) -> dict[str, Any]:
     """Every device constant, measured by this rank while the other ranks do the same."""
-    floor, dtensor = measure_op_overhead(world)
+    floor, dtensor = together(lambda: measure_op_overhead(world))
     out: dict[str, Any] = {"floor": floor, "dtensor": dtensor}
-    dist.barrier()
     out["fp32"] = measure_gemm(torch.float32, floor)
-    dist.barrier()
     try:
         out["bf16"] = measure_gemm(torch.bfloat16, floor)
-    except RuntimeError:  # a CPU build without bf16 matmul kernels
+    except RuntimeError:  # a CPU build without bf16 matmul kernels (every rank alike)
         out["bf16"] = None
-    dist.barrier()
-    out["bandwidth"] = measure_memory_bandwidth()
+    out["bandwidth"] = together(measure_memory_bandwidth)
     return out
 
 

@@ -137,6 +137,7 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
         blocking_comm_s=part.blocking_s, gather_forward_s=(part.gather_s + gather_lat) / 2,
         gather_backward_s=(part.gather_s + gather_lat) / 2, p2p_s=p2p_s * virtual,
         grad_reduce_s=part.grad_sync_s + reduce_lat, layers=max(n, 1),
+        overlap_exposure=ctx.profile.overlap_exposure,
         optimizer_s=optimizer_time(ctx.profile, part.state_bytes / state_bytes_per_param(ctx.optimizer).total,
                                    ctx.optimizer),
     )

@@ -183,7 +183,7 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
         optimizer_s=optimizer_time(ctx.profile, sum(state) / state_bytes_per_param(ctx.optimizer).total,
                                    ctx.optimizer, tensors=max(len(graph.graph["param_shapes"]), 1),
                                    dtensor=math.prod(ctx.mesh_shape) > 1),  # executor.apply: DTensor params
-        layers=max(graph.graph["layers"], 1),
+        layers=max(graph.graph["layers"], 1), overlap_exposure=ctx.profile.overlap_exposure,
     )
     acts = sum(c.act_bytes for c in chosen)
     return _prediction(ctx, graph, compose_step([stage], microbatches=m), state, acts,
