@@ -23,6 +23,11 @@ collectives it issues in one step (``CommDebugMode``), and the ranks run two
 communication-free references under the same contention: a plain 1-process step on
 the DP local batch, and fp32 GEMMs timed as calibration times them (a square one, and the
 thinnest GEMM of a TP rank), with one thread per rank.
+
+The collective micro-predictions are checked against timings taken the way calibrate
+takes the ones it fits (``timed_between_compute``): each collective issued between
+~10 ms compute chunks, as training issues it, its time the loop's minus the compute
+alone's, so a rank that blocks pays its rescheduling as in a training step.
 """
 
 from __future__ import annotations
@@ -47,9 +52,12 @@ import executor
 import planner
 from cost_model.calibrate import (
     _collective,
+    _iterations,
     cold_gemm_time,
+    compute_chunk,
     measure_job,
     profile_from_job,
+    timed_between_compute,
     together,
 )
 from cost_model.comm import collective_time
@@ -148,18 +156,16 @@ def _collectives_per_step(step: Callable[[], list[float]]) -> dict[str, int]:
 
 
 def _run_collectives(rank: int, repeats: int) -> dict[str, list[float]]:
+    """Per kind and size, the seconds each of ``repeats`` collectives among the 4 ranks adds
+    between compute chunks, the slowest rank's (the same list on every rank): measured
+    exactly as calibrate measures what it fits (``timed_between_compute``, with calibrate's
+    nccl-tests sizing ``_collective``), so the table compares like with like."""
+    chunk = compute_chunk()  # sized once, as measure_job does
     out = {}
     for kind in COLLECTIVES:
         for nbytes in MESSAGE_SIZES:
-            fn = _collective(kind, nbytes, WORLD, rank)  # calibrate's own nccl-tests sizing
-            fn()
-            times = []
-            for _ in range(repeats):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            out[f"{kind} {nbytes}"] = times
+            fn = _collective(kind, nbytes, WORLD, rank)
+            out[f"{kind} {nbytes}"] = timed_between_compute(fn, repeats, chunk, _iterations(nbytes))
     return out
 
 
@@ -279,14 +285,15 @@ def _step_table(results: list[dict], profile: dict) -> None:
 
 def _collective_table(results: list[dict], profile: dict) -> None:
     prof = load_profile(profile)
-    print(f"\n== Collectives among {WORLD} gloo processes: median over repeats of the slowest rank ==")
+    print(f"\n== Collectives among {WORLD} gloo processes, each between ~10 ms compute chunks "
+          f"(time added to the compute): median over repeats of the slowest rank ==")
     print(f"{'kind':<16}{'size':>8}{'measured ms':>13}{'min ms':>9}{'predicted ms':>14}{'error':>8}"
           f"{'vs min':>8}")
     errors = []
     for kind in COLLECTIVES:
         for nbytes in MESSAGE_SIZES:
             per_rank = [r["micro"][f"{kind} {nbytes}"] for r in results]
-            slowest = [max(ts) for ts in zip(*per_rank, strict=True)]
+            slowest = [max(ts) for ts in zip(*per_rank, strict=True)]  # already alike on every rank
             measured = statistics.median(slowest)
             predicted = collective_time(prof, kind, nbytes, (WORLD,), 0)
             err = (predicted - measured) / measured

@@ -11,7 +11,11 @@ DTensor) are measured inside the spawned ranks of the largest group size, all
 ranks running the same micro-benchmark at once, as they do when they train; a
 single process using every core would describe a device no rank ever gets.
 Collective constants are fitted per group size to the very model
-``cost_model.comm`` evaluates (``t = latency + S * f(n) / busbw``).  Whether a collective
+``cost_model.comm`` evaluates (``t = latency + S * f(n) / busbw``), from collectives
+timed as training issues them, each between compute chunks (``timed_between_compute``):
+on this oversubscribed CPU a rank that blocks in a collective while the other ranks
+compute must wait to be rescheduled, which costs ~1.5-2x the latency of the same
+collective timed alone after a barrier (the bandwidth term is no larger).  Whether a collective
 hides behind compute is measured too (``overlap_exposure``): on a GPU NCCL has engines
 of its own, on an oversubscribed CPU gloo needs the cores the compute is using.  Timings are
 medians of repeats: on a shared machine a rank sees the typical load, not the
@@ -53,12 +57,23 @@ _REPEATS = 7
 _T = TypeVar("_T")
 OVERLAP_BYTES = 8 * 2**20  # a layer's gradients or parameters in the fidelity model's range
 _OVERLAP_COMPUTE = 3  # the compute alone takes ~3x the collective alone: room to hide it
+CHUNK_S = 0.01  # compute between two blocking collectives (timed_between_compute), wall s
+_MIN_TIME_S = 1e-6  # floor of a timing: the fits divide by t, noise must not make it <= 0
 
 
 def _repeats(nbytes: int) -> int:
     """Timed repeats of one collective: fewer for the largest messages, whose repeats
     vary less and take up to a second each on a busy machine (keeps calibrate short)."""
     return _REPEATS if nbytes < 32 * 2**20 else 3
+
+
+def _iterations(nbytes: int) -> int:
+    """Compute-then-collective iterations per timed loop (``timed_between_compute``): 4,
+    2 from 32 MB.  The loop's total is divided by them, so more iterations average the
+    per-iteration scheduling noise a ~5 ms collective sees; a 64 MB collective takes
+    ~0.1-0.3 s, its noise is relatively small already, and 4 of them in each of 3
+    repeats per kind and group size would add ~8 s to calibrate."""
+    return 4 if nbytes < 32 * 2**20 else 2
 
 
 def _median_time(fn: Callable[[], object], window_s: float = 0.04, windows: int = 9) -> float:
@@ -150,6 +165,16 @@ def measure_memory_bandwidth(nbytes: int = COPY_BYTES) -> float:
     return 2 * nbytes / _median_time(lambda: dst.copy_(src))
 
 
+def measure_transcendental_rate(nbytes: int = COPY_BYTES) -> float:
+    """exp evaluations per second: ``torch.exp`` of a float32 tensor larger than a core's
+    share of the cache into a fresh output, as an eager op writes.  A CPU evaluates exp
+    as a polynomial of a dozen vector instructions, so softmax, SiLU and the loss's
+    log-softmax run at this rate rather than at the copy bandwidth (here 4 ranks at once:
+    exp 0.5 G elements/s per rank, copy 1.6 G)."""
+    x = torch.randn(nbytes // 4)
+    return x.numel() / _median_time(lambda: torch.exp(x))
+
+
 def measure_device(world: int) -> dict[str, Any]:
     """Every device constant, measured by this rank while the other ranks do the same."""
     floor, dtensor = together(lambda: measure_op_overhead(world))
@@ -160,6 +185,7 @@ def measure_device(world: int) -> dict[str, Any]:
     except RuntimeError:  # a CPU build without bf16 matmul kernels (every rank alike)
         out["bf16"] = None
     out["bandwidth"] = together(measure_memory_bandwidth)
+    out["exp"] = together(measure_transcendental_rate)
     return out
 
 
@@ -201,24 +227,92 @@ def _slowest(times: Sequence[float]) -> list[float]:
     return t.tolist()
 
 
-def _time_collectives(size: int, sizes: Sequence[int]) -> list[tuple[str, int, float]]:
+def compute_chunk(seconds: float = CHUNK_S) -> Callable[[], None]:
+    """A closure doing fixed matmul work that takes about ``seconds`` of wall time on a
+    rank while every rank computes: ``n`` projections of 256 tokens by a 768 x 256 weight
+    (one MLP projection, as ``measure_overlap`` uses), ``n`` sized from the slowest rank's
+    time per projection and so identical on every rank.  Call it on every rank."""
+    a, w = torch.randn(256, 256), torch.randn(768, 256)
+    one = _slowest([together(lambda: _median_time(lambda: torch.nn.functional.linear(a, w)))])[0]
+    n = max(1, round(seconds / one))
+
+    def chunk() -> None:
+        for _ in range(n):
+            torch.nn.functional.linear(a, w)
+
+    return chunk
+
+
+def timed_between_compute(
+    fn: Callable[[], object],
+    repeats: int,
+    chunk: Callable[[], None] | None = None,
+    iterations: int = 4,
+) -> list[float]:
+    """Seconds one blocking ``fn`` (a collective) adds to a loop that computes between
+    collectives, as training issues them; one value per repeat, the slowest rank's (the
+    same list on every rank).  Call it on every rank of the job.
+
+    Per repeat, interleaved so load drift hits both alike, every rank times (after a
+    barrier) ``iterations`` x [``chunk``] (``a``) and ``iterations`` x [``chunk``, ``fn``]
+    (``b``); the collective's time is ``(slowest b - slowest a) / iterations`` (SPMD waits
+    for the slowest rank), floored at ``_MIN_TIME_S``.  ``chunk`` defaults to
+    ``compute_chunk()`` (sized anew: pass one to time many collectives).
+
+    Why not the collective alone, back to back after a barrier: on an oversubscribed CPU
+    (4 single-thread gloo ranks on 2 cores) a rank that blocks in a collective issued
+    between compute phases gives up its core and must be rescheduled while the other
+    ranks compute, so the collective costs more latency than in isolation, where every
+    rank waits in it at once.  Measured here (4 ranks, ~10 ms chunks; isolated ->
+    in-loop): all-reduce 64 KB 5.3 -> 7.7 ms, 1 MB 7.2 -> 10.8, 16 MB 35.5 -> 31.4;
+    all-gather 4.0 -> 3.6, 4.0 -> 7.4, 17.7 -> 18.3; reduce-scatter 5.4 -> 8.2,
+    6.6 -> 9.6, 57.0 -> 36.0.  The latency term is ~1.5-2x larger in the loop, the
+    bandwidth term not (sometimes smaller), and training issues collectives the loop's way.
+    """
+    chunk = chunk or compute_chunk()
+    fn()  # warm-up (connection set-up, allocation)
+
+    def loop(with_fn: bool) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iterations):
+            chunk()
+            if with_fn:
+                fn()
+        return time.perf_counter() - t0
+
+    alone, both = [], []
+    for _ in range(repeats):
+        alone.append(loop(False))
+        both.append(loop(True))
+    slow = _slowest(alone + both)
+    return [max(_MIN_TIME_S, (b - a) / iterations)
+            for a, b in zip(slow[:repeats], slow[repeats:], strict=True)]
+
+
+def _time_collectives(
+    size: int, sizes: Sequence[int], chunk: Callable[[], None] | None = None
+) -> list[tuple[str, int, float]]:
     """(kind, bytes, s) in groups of ``size`` consecutive ranks, every group at once (as
-    the groups of a mesh dim run in training): per repeat the slowest rank's time (SPMD
-    waits for it), median over repeats."""
+    the groups of a mesh dim run in training), each collective timed between compute
+    chunks of ~10 ms (``timed_between_compute``: why, there): the median over
+    ``_repeats(nbytes)`` repeats of the slowest rank's added time, ``_iterations(nbytes)``
+    collectives per loop.
+
+    Two compute loops per repeat make this slower than timing each collective alone:
+    with 4 ranks on this 2-core machine, groups of 2 and 4 at the default sizes take
+    ~35 s (~11 s alone).  4 iterations below 32 MB, and 2 iterations and 3 repeats
+    from 32 MB (where one collective takes ~0.1-0.3 s, so its noise is relatively small)
+    keep ``meshplan calibrate`` under ~90 s."""
     world, rank = dist.get_world_size(), dist.get_rank()
     group = None if size == world else dist.new_subgroups(size)[0]
+    chunk = chunk or compute_chunk()
     rows = []
     for kind in COLLECTIVE_KINDS:
         for nbytes in sizes:
             fn = _collective(kind, nbytes, size, rank % size, group)
-            fn()  # warm-up (connection set-up, allocation)
-            times = []
-            for _ in range(_repeats(nbytes)):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            rows.append((kind, nbytes, statistics.median(_slowest(times))))
+            times = timed_between_compute(fn, _repeats(nbytes), chunk, _iterations(nbytes))
+            rows.append((kind, nbytes, statistics.median(times)))
     return rows
 
 
@@ -274,7 +368,8 @@ def measure_job(groups: Sequence[int], sizes: Sequence[int]) -> dict[str, Any]:
     job (call it on all ranks): collectives in groups of each size, their overlap with
     compute, then every rank's device constants.  A job that trains can call it between
     steps, under the same load."""
-    result: dict[str, Any] = {"collectives": {g: _time_collectives(g, sizes) for g in groups}}
+    chunk = compute_chunk()  # sized once, the same compute between every collective
+    result: dict[str, Any] = {"collectives": {g: _time_collectives(g, sizes, chunk) for g in groups}}
     dist.barrier()
     result["overlap"] = measure_overlap()
     dist.barrier()
@@ -313,7 +408,7 @@ def _device_constants(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     def med(values: Sequence[float]) -> float:
         return statistics.median(values)
 
-    out: dict[str, Any] = {k: med([r[k] for r in per_rank]) for k in ("floor", "dtensor", "bandwidth")}
+    out: dict[str, Any] = {k: med([r[k] for r in per_rank]) for k in ("floor", "dtensor", "bandwidth", "exp")}
     for dtype in ("fp32", "bf16"):
         if any(r[dtype] is None for r in per_rank):
             continue
@@ -439,7 +534,7 @@ def profile_from_job(
     progress(
         f"per rank ({ranks} at once, 1 thread each): GEMM "
         + ", ".join(f"{d} {v / 1e9:.1f}" for d, v in peaks.items())
-        + f" GFLOP/s peak; copy {device['bandwidth'] / 1e9:.1f} GB/s; op dispatch "
+        + f" GFLOP/s peak; copy {device['bandwidth'] / 1e9:.1f} GB/s; exp {device['exp'] / 1e9:.2f} G/s; op dispatch "
         f"{device['floor'] * 1e6:.1f} us, DTensor +{device['dtensor'] * 1e6:.1f} us"
     )
     progress(f"a collective beside compute adds {result['overlap']:.2f} s per second of it "
@@ -454,6 +549,7 @@ def profile_from_job(
         memory_bytes=psutil.virtual_memory().total // ranks,
         memory_bandwidth=device["bandwidth"],
         memory_efficiency=1.0,  # the measured copy bandwidth is already the achievable one
+        transcendental_rate=device["exp"],
         kernel_floor_s=device["floor"],
         dtensor_op_overhead_s=device["dtensor"],
         overlap_exposure=min(4.0, result["overlap"]),
@@ -466,13 +562,16 @@ def profile_from_job(
         f"measured by `meshplan calibrate` on {platform.node()} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
-        f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, {COPY_BYTES >> 20} MB copies and 1-element adds, plain and "
+        f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, {COPY_BYTES >> 20} MB copies and exps, 1-element adds, plain and "
         f"DTensor, timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
         f"overlap_exposure: {OVERLAP_BYTES >> 20} MB all-reduce / all-gather issued asynchronously beside "
         f"matmuls, (together - matmuls alone) / collective alone, median of {_REPEATS} interleaved repeats "
         f"per kind; "
         f"collectives: {len(message_sizes)} sizes {min(message_sizes)}..{max(message_sizes)} B in groups of "
-        f"{sizes} ranks of that job, all groups at once, medians of {_REPEATS} repeats (3 from 32 MB) of the slowest rank, "
+        f"{sizes} ranks of that job, all groups at once, each issued between ~{CHUNK_S * 1e3:.0f} ms matmul chunks "
+        f"as training issues them: per repeat (loop of {_iterations(0)} x [chunk, collective] - loop of "
+        f"{_iterations(0)} x [chunk]) / {_iterations(0)} ({_iterations(2**30)} from 32 MB), each loop the slowest "
+        f"rank's, median of {_REPEATS} interleaved repeats (3 from 32 MB), "
         f"latency and busbw fitted per group size (groups) and over all sizes (level default); "
         f"median relative error of the collective model {error:.0%}"
     )})

@@ -42,6 +42,7 @@ def op_time(
     bytes_accessed: float,
     dtype: str = "bf16",
     dtensor: bool = False,
+    transcendentals: float = 0.0,
 ) -> float:
     """Seconds for one eager op: the roofline of its kernel and the host time to issue it.
 
@@ -49,7 +50,10 @@ def op_time(
     device's work and the op takes the longer of the two (a tiny kernel pays the
     launch floor).  On a CPU the same thread dispatches and then runs the kernel,
     so the two add up.  ``dtensor``: the operands are DTensors, whose Python-level
-    dispatch (``dtensor_op_overhead_s``) adds host time per op.
+    dispatch (``dtensor_op_overhead_s``) adds host time per op.  ``transcendentals``:
+    exp/log/tanh evaluations, a compute bound of their own where the profile has a
+    ``transcendental_rate`` (a CPU evaluates exp as a polynomial of a dozen vector
+    instructions: softmax runs 3x slower than a copy of the same bytes here).
     Free ops (views, metadata: no FLOPs and no bytes) cost 0: they launch no kernel,
     and their host dispatch is not modelled (see docs/cost_model.md).
     """
@@ -60,6 +64,8 @@ def op_time(
     compute = (
         flops / (gemm_efficiency(profile, flops) * peak_flops(profile, dtype)) if flops else 0.0
     )
+    if transcendentals and profile.transcendental_rate:
+        compute = max(compute, transcendentals / profile.transcendental_rate)
     memory = bytes_accessed / (profile.memory_efficiency * profile.memory_bandwidth)
     host = host_time(profile, dtensor)
     if profile.device_type == "cpu":

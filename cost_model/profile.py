@@ -124,6 +124,12 @@ class Profile(_Strict):
         description="extra host time per op whose operands are DTensors (sharding "
         "propagation, unwrapping and rewrapping), s",
     )
+    transcendental_rate: PositiveFloat | None = Field(
+        default=None,
+        description="exp/log/tanh evaluations per second per device (softmax, SiLU, the "
+        "loss's log-softmax); an op takes at least its evaluations over this rate. "
+        "None: never the bound (GPU special-function units outrun HBM on elementwise ops)",
+    )
     overlap_exposure: float = Field(
         default=0.0,
         ge=0,

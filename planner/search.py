@@ -558,7 +558,8 @@ def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 
             unit.choices = [c for c in unit.choices if c.name == want]
         else:
             if not any(c.name == "H" for c in unit.choices):  # norms, residual stream: SP or replicated
-                unit.choices = [c for c in unit.choices if c.name == ("Q" if sp else "R")]
+                want = "Q" if sp and any(c.name == "Q" for c in unit.choices) else "R"  # the loss: R
+                unit.choices = [c for c in unit.choices if c.name == want]
 
     fixed = {"fsdp": fsdp, "checkpointing": checkpointing, "microbatches": microbatches,
              "schedules": ((schedule, virtual_stages),)}

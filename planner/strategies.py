@@ -43,7 +43,12 @@ from planner.tracer import layer_weight
 ANCHOR_OPS = {"linear", "addmm", "embedding", "scaled_dot_product_attention", "grouped_mm_fallback"}
 # Ops that reduce over features: a segment holding one cannot be feature-sharded.
 REDUCING_OPS = {"mean", "sum", "var", "layer_norm", "native_layer_norm", "softmax", "_softmax",
+                "log_softmax", "_log_softmax", "cross_entropy_loss",
                 "topk", "sort", "cumsum", "histc", "rms_norm", "amax", "max", "argmax", "norm"}
+# The loss runs replicated on model-parallel dims: the executor leaves Hugging Face's
+# loss to DTensor, which gathers vocabulary-sharded logits (a column-parallel head's)
+# before the log-softmax.  (A loss-parallel executor would allow B / Q here.)
+LOSS_OPS = {"cross_entropy_loss"}
 VIEW_OPS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze",
             "expand", "slice", "select", "alias", "t", "split", "chunk", "unbind", "getitem",
             "contiguous", "clone", "_assert_tensor_metadata", "to", "detach"}
@@ -134,10 +139,12 @@ def _divisible(ctx: Context, layout: Sequence[str], shape: Sequence[int]) -> boo
     return all(concrete(letter, shape, ctx.seq_len) is not None for letter in layout)
 
 
-def _scaled(ctx: Context, node: dict) -> tuple[float, float, float]:
-    """(fwd FLOPs, bwd FLOPs, bytes) of a traced node for one global micro-batch."""
+def _scaled(ctx: Context, node: dict) -> tuple[float, ...]:
+    """(fwd FLOPs, bwd FLOPs, fwd bytes, bwd bytes, fwd and bwd transcendentals) of a
+    traced node for one global micro-batch."""
     b = ctx.microbatch
-    return node["fwd_flops"] * b, node["bwd_flops"] * b, node["bytes"] * b
+    return tuple(node[k] * b for k in ("fwd_flops", "bwd_flops", "bytes", "bwd_bytes",
+                                       "fwd_trans", "bwd_trans"))
 
 
 def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int) -> float:
@@ -148,10 +155,12 @@ def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int) -
     # the executor runs activations as DTensors on the model (non-dp) mesh dims
     dtensor = any(ctx.mesh_shape[i] > 1 for i in ctx.free_dims)
     for d, mult in nodes:
-        fwd, bwd, nbytes = _scaled(ctx, d)
-        nbytes *= scale
-        t_f = op_time(ctx.profile, fwd / shards, nbytes / shards, ctx.dtype, dtensor) if (fwd or nbytes) else 0.0
-        t_b = op_time(ctx.profile, bwd / shards, nbytes / shards, ctx.dtype, dtensor) if (bwd or nbytes) else 0.0
+        fwd, bwd, f_bytes, b_bytes, f_trans, b_trans = _scaled(ctx, d)
+        f_bytes, b_bytes = f_bytes * scale, b_bytes * scale
+        t_f = op_time(ctx.profile, fwd / shards, f_bytes / shards, ctx.dtype, dtensor,
+                      f_trans / shards) if (fwd or f_bytes) else 0.0
+        t_b = op_time(ctx.profile, bwd / shards, b_bytes / shards, ctx.dtype, dtensor,
+                      b_trans / shards) if (bwd or b_bytes) else 0.0
         recompute = t_f if ctx.checkpointing == "full" else 0.0
         total += mult * (t_f + t_b + recompute)
     return total * ctx.microbatches
@@ -319,6 +328,8 @@ def segment_choices(ctx: Context, graph: nx.DiGraph, nodes: Sequence[str]) -> li
         if "P" in layout and not only_views:
             continue
         if "H" in layout and shorts & REDUCING_OPS:
+            continue
+        if shorts & LOSS_OPS and any(layout[i] != "R" for i in ctx.free_dims):
             continue
         if not all(_divisible(ctx, layout, s) for s in shapes):
             continue

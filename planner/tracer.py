@@ -14,15 +14,25 @@ Node attributes (every call_function node):
     shape, dtype  the (first) tensor output
     itemsize      bytes per output element
     fwd_flops, bwd_flops, bytes   FLOPs of forward / backward, bytes read + written
+    bwd_bytes     bytes the backward reads + writes (``bytes`` unless the op's backward
+                  makes more passes, as cross-entropy's does)
+    fwd_trans, bwd_trans   transcendental evaluations (exp, log, tanh, ...) of forward /
+                  backward: on a CPU they, not FLOPs or bytes, bound softmax, SiLU and
+                  the loss (``Profile.transcendental_rate``)
     params        {argument position: parameter FQN} for direct parameter inputs
     module        owning module path (innermost of ``nn_module_stack``)
     layer         layer index or None outside the repeated layers
+A model whose ``forward`` takes ``labels`` (every Hugging Face LM) is traced with
+``labels=input_ids``, so the loss it computes in training (``cross_entropy_loss`` over
+the whole vocabulary, as large as an MLP's GEMMs on small models) is in the graph.
+
 Graph attributes: model, layers (real count), traced_layers, layer_prefix, batch_size,
 seq_len, param_shapes (every parameter of the real model, FQN -> shape), dtype.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections.abc import Mapping
@@ -51,6 +61,12 @@ _VIEW_OPS = {
 _BWD_FACTOR = {"linear": 2.0, "mm": 2.0, "addmm": 2.0, "bmm": 2.0, "matmul": 2.0,
                "scaled_dot_product_attention": 2.0, "grouped_mm_fallback": 2.0,
                "embedding": 0.0}
+# Transcendental evaluations per output element, (forward, backward): the backward of
+# SiLU / GELU re-evaluates the sigmoid / erf, log-softmax's backward takes exp of its
+# output; sigmoid, tanh, exp and softmax differentiate from their saved output alone.
+_TRANSCENDENTALS = {"exp": (1, 0), "log": (1, 0), "sigmoid": (1, 0), "tanh": (1, 0),
+                    "silu": (1, 1), "gelu": (1, 1), "softmax": (1, 0), "_softmax": (1, 0),
+                    "log_softmax": (1, 1), "_log_softmax": (1, 1)}
 
 
 def _layer_of(module: str) -> tuple[str, int] | None:
@@ -117,7 +133,9 @@ class _Export:
 
 def _export(model: nn.Module, batch_size: int, seq_len: int) -> torch.export.ExportedProgram:
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-    kwargs = {"use_cache": False} if hasattr(model, "config") else {}
+    kwargs: dict[str, Any] = {"use_cache": False} if hasattr(model, "config") else {}
+    if "labels" in inspect.signature(model.forward).parameters:
+        kwargs["labels"] = ids  # training computes the loss: trace it too
     try:
         return torch.export.export(model, (ids,), kwargs, strict=False)
     except Exception as e:  # torch.export raises many unrelated types; report one line
@@ -169,7 +187,8 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
                            shape=tuple(val.shape) if isinstance(val, torch.Tensor) else (),
                            dtype=str(val.dtype) if isinstance(val, torch.Tensor) else "",
                            itemsize=val.element_size() if isinstance(val, torch.Tensor) else 0,
-                           module="", layer=None, fwd_flops=0.0, bwd_flops=0.0, bytes=0.0)
+                           module="", layer=None, fwd_flops=0.0, bwd_flops=0.0, bytes=0.0,
+                           bwd_bytes=0.0, fwd_trans=0.0, bwd_trans=0.0)
             continue
         if node.op != "call_function":
             continue
@@ -191,6 +210,22 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
             nbytes = float(sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs))
             if fwd == 0.0 and short != "embedding":
                 fwd = float(sum(t.numel() for t in outs))  # one FLOP per output element
+        bwd_bytes = nbytes
+        per_elem = _TRANSCENDENTALS.get(short, (0, 0))
+        trans = (per_elem[0] * (out.numel() if out is not None else 0),
+                 per_elem[1] * (out.numel() if out is not None else 0))
+        if short == "scaled_dot_product_attention":  # one exp per attention score, both ways
+            scores = fwd / (4.0 * ins[0].shape[-1])
+            trans = (scores, scores)
+        elif short == "cross_entropy_loss":
+            # log-softmax over the vocabulary, then a gather: one exp per logit; the
+            # backward zero-fills the logits' gradient, scatters into it, and runs
+            # log-softmax's backward (exp of the saved log-probabilities, read + write)
+            logits = ins[0]
+            fwd = float(logits.numel())
+            nbytes = 2.0 * _nbytes(logits)
+            bwd_bytes = 4.0 * _nbytes(logits)
+            trans = (float(logits.numel()), float(logits.numel()))
         params = {i: fqn for i, a in enumerate(node.args)
                   if isinstance(a, fx.Node) and (fqn := _param_behind_views(a, sig, param_of))}
         graph.add_node(
@@ -201,6 +236,7 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
             itemsize=out.element_size() if out is not None else 0,
             out_numel=sum(t.numel() for t in outs),
             fwd_flops=fwd, bwd_flops=fwd * _BWD_FACTOR.get(short, 1.0), bytes=nbytes,
+            bwd_bytes=bwd_bytes, fwd_trans=float(trans[0]), bwd_trans=float(trans[1]),
             params=params, module=module, layer=layer[1] if layer else None,
         )
         for a in arg_nodes:
@@ -218,7 +254,7 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
 _SAVES_INPUTS = {"linear", "addmm", "mm", "bmm", "matmul", "mul", "div", "pow", "rsqrt", "silu",
                  "gelu", "tanh", "sigmoid", "softmax", "_softmax", "scaled_dot_product_attention",
                  "layer_norm", "native_layer_norm", "grouped_mm_fallback", "exp", "log",
-                 "dropout", "index", "gather"}
+                 "dropout", "index", "gather", "cross_entropy_loss"}
 
 
 def _mark_saved(graph: nx.DiGraph) -> None:

@@ -387,6 +387,29 @@ def test_sequence_parallel_rowwise_outputs_are_reduce_scattered(learned: bool) -
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_vocabulary_parallel_head_computes_its_gradients_on_its_shard(sp: bool) -> None:
+    """With labels=, the column-parallel lm_head's logits are gathered at its boundary
+    (what the loss needs), not inside the loss's dispatch: backward then slices the
+    logits' gradient before the head, whose weight gradient is a local GEMM over its half
+    of the vocabulary.  (Gathered inside the loss, it was one over the whole vocabulary.)"""
+    ids = torch.zeros(3, SEQ, dtype=torch.long)  # 48 tokens: no model dim has that size
+
+    def local_mm_lhs(prof: torch.profiler.profile) -> list[list[int]]:
+        def wraps_mm(e: Any) -> bool:  # DTensor's record of a GEMM wraps the local one
+            return any(c.name == "aten::mm" or wraps_mm(c) for c in e.cpu_children)
+        return [e.input_shapes[0] for e in prof.events() if e.name == "aten::mm" and not wraps_mm(e)]
+
+    with tp2_on_fake_group(sp) as model:
+        vocab = model.config.vocab_size
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # blocks learn
+        with torch.profiler.profile(record_shapes=True) as prof:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    lhs = local_mm_lhs(prof)
+    assert [vocab // 2, ids.numel()] in lhs
+    assert [vocab, ids.numel()] not in lhs
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
 def test_partial_gradients_are_reduced_once_in_backward(sp: bool) -> None:
     """Norm weights (replicated, activations split) and, without SP, row-parallel weights
     get Partial gradients; apply reduces each once as it is accumulated, so AdamW's step
