@@ -3,13 +3,14 @@ hand layouts of a small Llama on 4 gloo processes, and collective micro-predicti
 
     python -m bench.costmodel_fidelity [--profile PATH] [--steps 6] [--warmup 2]
 
-Without ``--profile`` the machine is calibrated inside the run: halfway through the
-timed steps the 4 ranks run calibrate's own micro-benchmarks (``measure_job``: gloo
-collectives in groups of 2 and 4, GEMMs, copies, op dispatch), and the profile built
-from them (``profile_from_job``, exactly what ``meshplan calibrate`` writes) is saved
-to ``--save-profile`` and used for the predictions.  On a machine shared with other
-jobs the load changes within minutes; calibrating in the same job, between the steps,
-measures the primitives under the load the steps see.  The 4 ranks are
+Without ``--profile`` the machine is calibrated inside the run: between the thirds of
+the timed steps the 4 ranks run calibrate's own micro-benchmarks (``measure_job``: gloo
+collectives in groups of 2 and 4, in the middle; ``measure_device``: GEMMs, copies,
+exps, attention, host time, op dispatch, after each third, the median of the three
+kept), and the profile built from them (``profile_from_job``, exactly what ``meshplan
+calibrate`` writes) is saved to ``--save-profile`` and used for the predictions.  On a
+machine shared with other jobs the load changes within minutes; calibrating in the
+same job, between the steps, measures the primitives under the load the steps see.  The 4 ranks are
 spawned once; inside them every layout trains the same model on the same global batch
 (forward, backward, AdamW step; the layouts' steps interleaved, round-robin, so the
 shared machine's load drift hits them alike) through ``executor.apply`` with the hand
@@ -55,6 +56,7 @@ from cost_model.calibrate import (
     _iterations,
     cold_gemm_time,
     compute_chunk,
+    measure_device,
     measure_job,
     profile_from_job,
     timed_between_compute,
@@ -182,6 +184,13 @@ def _gemm_rates() -> dict[str, float]:
             for name, (m, k, n) in GEMM_SHAPES.items()}
 
 
+def _all_ranks(value: Any) -> list[Any]:
+    """``value`` of every rank, on every rank."""
+    out: list[Any] = [None] * WORLD
+    dist.all_gather_object(out, value)
+    return out
+
+
 def _worker(rank: int, init_file: str, out: str, warmup: int, steps: int, repeats: int,
             calibrate: bool) -> None:
     torch.set_num_threads(1)  # 4 ranks on 2 cores: one thread each, as the executor tests run
@@ -194,10 +203,21 @@ def _worker(rank: int, init_file: str, out: str, warmup: int, steps: int, repeat
         ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=g)
         steps_of = {layout.name: _training_step(layout, ids) for layout in LAYOUTS}
         steps_of[LOCAL] = _training_step(None, ids)
-        first = _timed_round_robin(steps_of, warmup, steps // 2)
+        # calibration between the thirds of the steps: the collectives in the middle, the
+        # device constants (GEMM rate, host time per op, ...) after every third, their
+        # median over the three taken: this VM's speed drifts by 20-30% within minutes
+        # (the bench's own GEMM check has read 20% below a calibration taken two
+        # minutes earlier), and the steps span all three
+        thirds = [steps // 3, steps // 3, steps - 2 * (steps // 3)]
+        first = _timed_round_robin(steps_of, warmup, thirds[0])
+        devices = _all_ranks(measure_device(WORLD)) if calibrate else []
+        second = _timed_round_robin(steps_of, 0, thirds[1])
         job = measure_job((2, WORLD), MESSAGE_SIZES) if calibrate else None
-        second = _timed_round_robin(steps_of, 0, steps - steps // 2)
-        result: dict[str, Any] = {"times": {k: first[k] + second[k] for k in first}, "job": job}
+        third = _timed_round_robin(steps_of, 0, thirds[2])
+        if job is not None:
+            job["device"] = devices + job["device"] + _all_ranks(measure_device(WORLD))
+        result: dict[str, Any] = {"times": {k: first[k] + second[k] + third[k] for k in first},
+                                  "job": job}
         result["collectives"] = {name: _collectives_per_step(step) for name, step in steps_of.items()}
         dist.barrier()
         result["gemm"] = _gemm_rates()

@@ -114,18 +114,38 @@ def together(measure: Callable[[], _T]) -> _T:
     return result
 
 
+_OPTIMIZER_TENSORS = 16  # tiny parameters: AdamW's step over them is all dispatch
+
+
 def measure_op_overhead(world: int) -> tuple[float, float]:
-    """(host s of one plain eager op, extra s when its operands are DTensors).
+    """(host s of one plain eager op, extra s per op when its operands are DTensors).
 
     A 1-element add runs a kernel that does no measurable work, so its time is the
-    dispatch itself; the DTensor add (sharded operands, no communication) adds
-    DTensor's sharding propagation and wrapping.  Needs a process group of ``world``.
+    dispatch itself.  DTensor's extra (sharding propagation, unwrapping, rewrapping) is
+    measured on torch's AdamW step over ``_OPTIMIZER_TENSORS`` tiny sharded parameters
+    against the same step over plain ones, per op of the update (``update_ops`` of
+    ``adam-fp32``): a mix of in-place and out-of-place ops like the model's.  A DTensor
+    add alone is the cheapest case (4 ranks at once here: add +16 us, the AdamW mix +36
+    us per op); with the add's figure the fidelity bench's DP AdamW step (over FSDP2's
+    DTensor parameters) was predicted at 0.047 s and measured at 0.086 s.  Needs a
+    process group of ``world``.
     """
+    from cost_model.memory import OPTIMIZERS
+
     a, b = torch.ones(1), torch.ones(1)
     plain = _median_time(lambda: a + b)
     mesh = init_device_mesh("cpu", (world,))
-    da, db = (distribute_tensor(torch.ones(world), mesh, [Shard(0)]) for _ in range(2))
-    return plain, max(0.0, _median_time(lambda: da + db) - plain)
+
+    def step_time(make: Callable[[], torch.Tensor]) -> float:
+        params = [torch.nn.Parameter(make()) for _ in range(_OPTIMIZER_TENSORS)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        return _median_time(torch.optim.AdamW(params, lr=1e-6).step)
+
+    sharded = step_time(lambda: distribute_tensor(torch.ones(world * 4), mesh, [Shard(0)]))
+    local = step_time(lambda: torch.ones(4))
+    ops = _OPTIMIZER_TENSORS * OPTIMIZERS["adam-fp32"].update_ops
+    return plain, max(0.0, (sharded - local) / ops)
 
 
 def cold_gemm_time(m: int, k: int, n: int, dtype: torch.dtype = torch.float32) -> float:
@@ -175,6 +195,95 @@ def measure_transcendental_rate(nbytes: int = COPY_BYTES) -> float:
     return x.numel() / _median_time(lambda: torch.exp(x))
 
 
+ATTENTION_SHAPE = (4, 8, 256, 64)  # batch, heads, sequence, head dim: a mid-size causal block
+
+
+def measure_attention_rate() -> float:
+    """FLOP/s of causal ``scaled_dot_product_attention`` forward + backward at
+    ``ATTENTION_SHAPE`` (FLOPs counted as the tracer counts them: 4bhs^2d forward, halved
+    for causal, twice that backward).  On a CPU the fused kernel works in small blocks
+    with an exp per score and runs at ~1/4 of the GEMM rate (9-14 GFLOP/s per rank here
+    for head dims 32-128 and sequences 128-512, GEMMs ~40), so it gets its own
+    efficiency rather than the GEMM curve's."""
+    b, h, s, d = ATTENTION_SHAPE
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+
+    def step() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    return 3 * 4.0 * b * h * s * s * d / 2 / _median_time(step)
+
+
+def measure_node_host() -> float:
+    """Host seconds per traced graph node, forward + backward, of eager training: the
+    ``llama-tiny`` preset (hidden 32) trains on 8 tokens, where no kernel does
+    measurable work, and the step time is divided by the nodes ``planner.trace`` finds
+    in it (views and the loss included).  What it measures is what a 1-element add
+    misses: the model's Python code, autograd's backward nodes, views and gradient
+    accumulation (here ~50 us per node against ~11 us for an add forward and backward)."""
+    from planner.presets import build_model, load_config
+    from planner.tracer import totals, trace
+
+    model = build_model(load_config("llama-tiny"), "cpu").train()
+    ids = torch.zeros(1, 8, dtype=torch.long)
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    return _median_time(step) / totals(trace("llama-tiny", 1, 8))["nodes"]
+
+
+# Two Llamas of 2 layers for FSDP2's overhead: llama-tiny (0.1 MB of weights: the fixed
+# cost per unit) and this one (26 MB: the cost per byte).
+_FSDP_MID = {"model_type": "llama", "vocab_size": 128, "hidden_size": 512,
+             "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 8,
+             "num_key_value_heads": 4, "max_position_embeddings": 128,
+             "tie_word_embeddings": False}
+
+
+def measure_fsdp_overhead() -> dict[str, tuple[float, float]]:
+    """Per data-parallel mode, (s per unit, s per parameter byte) FSDP2 adds to a
+    training step's forward + backward, as ``executor.apply`` wraps a model (each layer,
+    then the root; ``replicate`` as HSDP with a size-1 shard dim).
+
+    Each rank wraps its models on a mesh of its own process alone, so the collectives
+    are trivial and what is timed is FSDP2's host work: hooks, buffer bookkeeping, and
+    copies of parameters and gradients into and out of flat buffers.  Two models (tiny
+    and 26 MB of weights, 3 units each) give the two constants; the step time without
+    FSDP2 is taken off each.  Measured here, 4 ranks at once: replicate ~3 ms per unit +
+    1.7 ms per MB, fully_shard ~2 ms + 2.5 ms per MB, as much as the compute of a small
+    model's step.  Call on every rank (it creates process groups)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from planner.presets import build_model, load_config
+
+    own, rank = dist.new_subgroups(1)[0], dist.get_rank()
+    meshes = {"fully_shard": DeviceMesh.from_group(own, "cpu"),
+              "replicate": DeviceMesh.from_group([own, own], "cpu", mesh=torch.tensor([[rank]]),
+                                                 mesh_dim_names=("replicate", "shard"))}
+    ids = torch.zeros(1, 8, dtype=torch.long)
+
+    def step_time(config: Any, mesh: Any) -> tuple[float, float, int]:
+        model = build_model(load_config(config), "cpu").train()
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        units = len(model.model.layers) + 1
+        if mesh is not None:
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        return _median_time(lambda: model(input_ids=ids, labels=ids, use_cache=False).loss.backward()), nbytes, units
+
+    plain = [(c, *step_time(c, None)) for c in ("llama-tiny", _FSDP_MID)]
+    out = {}
+    for mode, mesh in meshes.items():
+        (t_small, b_small, units), (t_big, b_big, _) = (
+            (step_time(c, mesh)[0] - t, nbytes, units) for c, t, nbytes, units in plain)
+        byte_s = max(0.0, (t_big - t_small) / (b_big - b_small))
+        out[mode] = (max(0.0, (t_small - b_small * byte_s) / units), byte_s)
+    return out
+
+
 def measure_device(world: int) -> dict[str, Any]:
     """Every device constant, measured by this rank while the other ranks do the same."""
     floor, dtensor = together(lambda: measure_op_overhead(world))
@@ -186,6 +295,9 @@ def measure_device(world: int) -> dict[str, Any]:
         out["bf16"] = None
     out["bandwidth"] = together(measure_memory_bandwidth)
     out["exp"] = together(measure_transcendental_rate)
+    out["attention"] = together(measure_attention_rate)
+    out["node_host"] = together(measure_node_host)
+    out["fsdp"] = together(measure_fsdp_overhead)
     return out
 
 
@@ -408,7 +520,9 @@ def _device_constants(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     def med(values: Sequence[float]) -> float:
         return statistics.median(values)
 
-    out: dict[str, Any] = {k: med([r[k] for r in per_rank]) for k in ("floor", "dtensor", "bandwidth", "exp")}
+    out: dict[str, Any] = {k: med([r[k] for r in per_rank]) for k in ("floor", "dtensor", "bandwidth", "exp", "attention", "node_host")}
+    out["fsdp"] = {mode: tuple(med([r["fsdp"][mode][i] for r in per_rank]) for i in range(2))
+                   for mode in per_rank[0]["fsdp"]}
     for dtype in ("fp32", "bf16"):
         if any(r[dtype] is None for r in per_rank):
             continue
@@ -534,7 +648,10 @@ def profile_from_job(
     progress(
         f"per rank ({ranks} at once, 1 thread each): GEMM "
         + ", ".join(f"{d} {v / 1e9:.1f}" for d, v in peaks.items())
-        + f" GFLOP/s peak; copy {device['bandwidth'] / 1e9:.1f} GB/s; exp {device['exp'] / 1e9:.2f} G/s; op dispatch "
+        + f" GFLOP/s peak; copy {device['bandwidth'] / 1e9:.1f} GB/s; exp {device['exp'] / 1e9:.2f} G/s; attention {device['attention'] / 1e9:.1f} GFLOP/s; "
+        f"host {device['node_host'] * 1e6:.0f} us per graph node; FSDP2 " + ", ".join(
+            f"{m} {u * 1e3:.1f} ms/unit + {b * 1e9:.2f} ms/MB" for m, (u, b) in device["fsdp"].items())
+        + f"; op dispatch "
         f"{device['floor'] * 1e6:.1f} us, DTensor +{device['dtensor'] * 1e6:.1f} us"
     )
     progress(f"a collective beside compute adds {result['overlap']:.2f} s per second of it "
@@ -550,6 +667,9 @@ def profile_from_job(
         memory_bandwidth=device["bandwidth"],
         memory_efficiency=1.0,  # the measured copy bandwidth is already the achievable one
         transcendental_rate=device["exp"],
+        attention_efficiency=min(1.0, device["attention"] / peaks["fp32"]),
+        node_host_s=device["node_host"],
+        fsdp_overhead={mode: {"unit_s": u, "byte_s": b} for mode, (u, b) in device["fsdp"].items()},
         kernel_floor_s=device["floor"],
         dtensor_op_overhead_s=device["dtensor"],
         overlap_exposure=min(4.0, result["overlap"]),
@@ -562,8 +682,8 @@ def profile_from_job(
         f"measured by `meshplan calibrate` on {platform.node()} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
-        f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, {COPY_BYTES >> 20} MB copies and exps, 1-element adds, plain and "
-        f"DTensor, timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
+        f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, {COPY_BYTES >> 20} MB copies and exps, causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
+        f"AdamW steps on {_OPTIMIZER_TENSORS} tiny DTensor vs plain parameters, timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
         f"overlap_exposure: {OVERLAP_BYTES >> 20} MB all-reduce / all-gather issued asynchronously beside "
         f"matmuls, (together - matmuls alone) / collective alone, median of {_REPEATS} interleaved repeats "
         f"per kind; "

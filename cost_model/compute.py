@@ -31,11 +31,6 @@ def peak_flops(profile: Profile, dtype: str) -> float:
         ) from None
 
 
-def host_time(profile: Profile, dtensor: bool = False) -> float:
-    """Host seconds to issue one eager op: dispatch + launch, plus DTensor's wrapper."""
-    return profile.kernel_floor_s + (profile.dtensor_op_overhead_s if dtensor else 0.0)
-
-
 def op_time(
     profile: Profile,
     flops: float,
@@ -43,6 +38,8 @@ def op_time(
     dtype: str = "bf16",
     dtensor: bool = False,
     transcendentals: float = 0.0,
+    attention: bool = False,
+    host_s: float | None = None,
 ) -> float:
     """Seconds for one eager op: the roofline of its kernel and the host time to issue it.
 
@@ -54,20 +51,24 @@ def op_time(
     exp/log/tanh evaluations, a compute bound of their own where the profile has a
     ``transcendental_rate`` (a CPU evaluates exp as a polynomial of a dozen vector
     instructions: softmax runs 3x slower than a copy of the same bytes here).
-    Free ops (views, metadata: no FLOPs and no bytes) cost 0: they launch no kernel,
-    and their host dispatch is not modelled (see docs/cost_model.md).
+    ``attention``: a fused attention kernel, at the profile's ``attention_efficiency``
+    where it has one.  ``host_s``: the host time of this op instead of
+    ``kernel_floor_s`` (the planner passes ``node_host_s`` shares).
+    Free ops (views, metadata: no FLOPs and no bytes) launch no kernel: they cost their
+    ``host_s`` when given, else 0 (see docs/cost_model.md).
     """
     if flops < 0 or bytes_accessed < 0:
         raise ValueError(f"op_time: flops={flops} and bytes_accessed={bytes_accessed} must be >= 0")
+    host = (profile.kernel_floor_s if host_s is None else host_s) + (
+        profile.dtensor_op_overhead_s if dtensor else 0.0)
     if flops == 0 and bytes_accessed == 0:
-        return 0.0
-    compute = (
-        flops / (gemm_efficiency(profile, flops) * peak_flops(profile, dtype)) if flops else 0.0
-    )
+        return 0.0 if host_s is None else host
+    efficiency = (profile.attention_efficiency if attention and profile.attention_efficiency
+                  else gemm_efficiency(profile, flops))
+    compute = flops / (efficiency * peak_flops(profile, dtype)) if flops else 0.0
     if transcendentals and profile.transcendental_rate:
         compute = max(compute, transcendentals / profile.transcendental_rate)
     memory = bytes_accessed / (profile.memory_efficiency * profile.memory_bandwidth)
-    host = host_time(profile, dtensor)
     if profile.device_type == "cpu":
         return host + max(compute, memory)
     return max(compute, memory, host)

@@ -96,6 +96,16 @@ class GemmPoint(_Strict):
     efficiency: Fraction = Field(description="achievable fraction of peak at that size")
 
 
+class FsdpOverhead(_Strict):
+    """Host time FSDP2 adds to one micro-batch's forward + backward, per mode: its hooks
+    and buffer bookkeeping per unit, and copies of the unit's parameters and gradients
+    into and out of the collectives' flat buffers per byte.  A CPU runs it on the cores
+    the compute uses; a GPU host issues it beside the kernels (not set there)."""
+
+    unit_s: float = Field(ge=0, description="per FSDP2 unit (a layer, the root), s")
+    byte_s: float = Field(ge=0, description="per byte of the unit's unsharded parameters, s")
+
+
 class Profile(_Strict):
     """Per-device compute and memory plus the network, innermost level first."""
 
@@ -123,6 +133,25 @@ class Profile(_Strict):
         ge=0,
         description="extra host time per op whose operands are DTensors (sharding "
         "propagation, unwrapping and rewrapping), s",
+    )
+    attention_efficiency: Fraction | None = Field(
+        default=None,
+        description="achievable fraction of peak_flops for fused attention "
+        "(scaled_dot_product_attention), forward and backward; None: the GEMM curve. "
+        "CPU flash attention runs at ~1/4 of the GEMM rate (small blocks, exp per score)",
+    )
+    node_host_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="eager host time per traced graph node, forward + backward, s: Python "
+        "module code, dispatch, autograd's backward nodes, views, gradient accumulation, "
+        "measured on a model too small to compute; on a CPU it replaces kernel_floor_s "
+        "for the model's ops (half each way, views included). None: kernel_floor_s per op",
+    )
+    fsdp_overhead: dict[Literal["replicate", "fully_shard"], FsdpOverhead] = Field(
+        default_factory=dict,
+        description="host time FSDP2 adds per micro-batch, by data-parallel mode "
+        "(replicate runs as HSDP); a mode left out adds none",
     )
     transcendental_rate: PositiveFloat | None = Field(
         default=None,

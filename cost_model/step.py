@@ -189,6 +189,15 @@ def partial_grad_time(
     return sum(collective_time(profile, kind, nbytes, mesh_shape, dim) for kind, nbytes, dim in partial)
 
 
+def fsdp_host_time(profile: Profile, mode: str, units: int, param_bytes: float,
+                   microbatches: int = 1) -> float:
+    """Host seconds FSDP2 adds per step in ``mode`` (``replicate`` or ``fully_shard``) over
+    ``units`` units holding ``param_bytes`` of unsharded parameters
+    (``Profile.fsdp_overhead``; 0 where the profile has none for the mode)."""
+    over = profile.fsdp_overhead.get(mode)
+    return 0.0 if over is None else microbatches * (units * over.unit_s + param_bytes * over.byte_s)
+
+
 def bucket_latency(
     profile: Profile,
     mesh_shape: Sequence[int],

@@ -21,7 +21,7 @@ from cost_model.comm import collective_time
 from cost_model.memory import inflight_microbatches, state_bytes_per_param, usable_bytes
 from cost_model.step import StageCost, StepBreakdown, bucket_latency, compose_step, optimizer_time
 from planner.ilp import Solution
-from planner.strategies import Context, Unit, loss_mean_s
+from planner.strategies import Context, Unit, fsdp_host_s, loss_mean_s
 
 
 @dataclass(frozen=True)
@@ -127,13 +127,15 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
            schedule: str, virtual: int, p2p_s: float) -> tuple[StageCost, float, float]:
     """(cost, memory, model-state bytes) of stage ``index`` holding ``n`` layers."""
     part = layer * n + (first if index == 0 else Part()) + (last if index == pp - 1 else Part())
-    fwd = part.compute_s / (4 if ctx.checkpointing == "full" else 3)
+    per = state_bytes_per_param(ctx.optimizer)
+    compute = part.compute_s + fsdp_host_s(ctx, n + 1, part.state_bytes * per.weights / per.total) / ctx.microbatches
+    fwd = compute / (4 if ctx.checkpointing == "full" else 3)
     # per micro-batch, one FSDP2 unit per layer plus the stage's root (cost_model.step.bucket_latency)
     gather_lat, reduce_lat = bucket_latency(
         ctx.profile, ctx.mesh_shape, [i for i, d in enumerate(ctx.mesh_names) if d == "dp"],
         "dp" in ctx.fsdp, n + 1)
     cost = StageCost(
-        forward_compute_s=fwd, backward_compute_s=part.compute_s - fwd,
+        forward_compute_s=fwd, backward_compute_s=compute - fwd,
         blocking_comm_s=part.blocking_s, gather_forward_s=(part.gather_s + gather_lat) / 2,
         gather_backward_s=(part.gather_s + gather_lat) / 2, p2p_s=p2p_s * virtual,
         grad_reduce_s=part.grad_sync_s + reduce_lat, layers=max(n, 1),

@@ -63,6 +63,7 @@ from planner.strategies import (
     build_units,
     canonical_map,
     concrete,
+    fsdp_host_s,
     loss_mean_s,
 )
 from planner.tracer import totals, trace
@@ -173,6 +174,7 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
                                             graph.graph["layers"] + 1, m)
     gather = sum(c.gather_s for c in chosen) + gather_lat
     state = [sum(c.state[i] for c in chosen) for i in range(3)]
+    compute += fsdp_host_s(ctx, graph.graph["layers"] + 1, state[0])
     fwd = compute / (4 if ctx.checkpointing == "full" else 3)  # backward = 2x forward (+ recompute)
     stage = StageCost(
         forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m,

@@ -154,13 +154,17 @@ def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int) -
     scale = ctx.act_itemsize / 4  # traced in fp32
     # the executor runs activations as DTensors on the model (non-dp) mesh dims
     dtensor = any(ctx.mesh_shape[i] > 1 for i in ctx.free_dims)
+    # where the profile measured eager host time per graph node (CPU), every node,
+    # views included, costs its half each way; else each kernel costs kernel_floor_s
+    host = None if ctx.profile.node_host_s is None else ctx.profile.node_host_s / 2
     for d, mult in nodes:
         fwd, bwd, f_bytes, b_bytes, f_trans, b_trans = _scaled(ctx, d)
         f_bytes, b_bytes = f_bytes * scale, b_bytes * scale
+        attention = d["short"] == "scaled_dot_product_attention"
         t_f = op_time(ctx.profile, fwd / shards, f_bytes / shards, ctx.dtype, dtensor,
-                      f_trans / shards) if (fwd or f_bytes) else 0.0
+                      f_trans / shards, attention, host)
         t_b = op_time(ctx.profile, bwd / shards, b_bytes / shards, ctx.dtype, dtensor,
-                      b_trans / shards) if (bwd or b_bytes) else 0.0
+                      b_trans / shards, attention, host)
         recompute = t_f if ctx.checkpointing == "full" else 0.0
         total += mult * (t_f + t_b + recompute)
     return total * ctx.microbatches
@@ -405,3 +409,16 @@ def loss_mean_s(ctx: Context) -> float:
 
     data_dims = [i for i, name in enumerate(ctx.mesh_names) if name == "dp"]
     return loss_mean_time(ctx.profile, ctx.mesh_shape, data_dims)
+
+
+def fsdp_host_s(ctx: Context, units: int, weight_bytes: float) -> float:
+    """FSDP2's host time per step (cost_model.step.fsdp_host_time) for ``units`` units
+    whose weights take ``weight_bytes`` per device at rest (1/degree of them under FSDP)."""
+    degree = math.prod(n for name, n in zip(ctx.mesh_names, ctx.mesh_shape) if name == "dp")
+    if degree == 1:
+        return 0.0
+    from cost_model.step import fsdp_host_time
+
+    fsdp = "dp" in ctx.fsdp
+    return fsdp_host_time(ctx.profile, "fully_shard" if fsdp else "replicate", units,
+                          weight_bytes * (degree if fsdp else 1), ctx.microbatches)
