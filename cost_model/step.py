@@ -181,12 +181,20 @@ def partial_grad_time(
     ``partial``: per parameter tensor and mesh dim on which its gradient is a
     pending sum, (collective that resolves it: ``all_reduce`` to a replicated or
     ``reduce_scatter`` to a sharded parameter, local gradient bytes, mesh dim).
-    ``executor.apply`` reduces each one as soon as it is accumulated (a
-    post-accumulate-grad hook, so once per micro-batch, inside the backward and not
-    overlapped); left Partial, DTensor would reduce it again in every optimizer op
-    that reads it.
+    ``executor.apply`` reduces them once per micro-batch when the backward ends, not
+    overlapped: the all-reduces on one mesh dim (replicated parameters) as one
+    all-reduce of their concatenation, each reduce-scatter on its own.  Left Partial,
+    DTensor would reduce a gradient again in every optimizer op that reads it.
     """
-    return sum(collective_time(profile, kind, nbytes, mesh_shape, dim) for kind, nbytes, dim in partial)
+    bucketed: dict[int, float] = {}
+    t = 0.0
+    for kind, nbytes, dim in partial:
+        if kind == "all_reduce":
+            bucketed[dim] = bucketed.get(dim, 0.0) + nbytes
+        else:
+            t += collective_time(profile, kind, nbytes, mesh_shape, dim)
+    return t + sum(collective_time(profile, "all_reduce", nbytes, mesh_shape, dim)
+                   for dim, nbytes in bucketed.items())
 
 
 def fsdp_host_time(profile: Profile, mode: str, units: int, param_bytes: float,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.distributed._composable import checkpoint  # keeps FQNs, unlike the wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -256,16 +258,45 @@ def _reduce_pending_grads(model: nn.Module) -> None:
     """A parameter replicated on a dim its activations are split over gets a Partial
     gradient (a pending sum).  Left so, DTensor reduces it again in every optimizer op
     that reads it (AdamW: three times per parameter); reducing it to the parameter's own
-    placements once, as soon as it is accumulated, gives the same values."""
+    placements once per backward gives the same values.
 
-    def reduce(p: torch.Tensor) -> None:
+    The reductions go out together when the backward ends: gradients of replicated
+    parameters (norm weights, a replicated embedding) with the same pending placements
+    in one all-reduce of their concatenation, the others (a sharded parameter's) one by
+    one.  Issued one by one as each gradient is accumulated, every tiny all-reduce was a
+    blocking collective in the middle of the backward: on the fidelity bench's TP Llama
+    (4 gloo ranks, 2 cores) 9 norm-weight all-reduces of 1 KB waited 15 ms each."""
+    pending: list[nn.Parameter] = []
+
+    def record(p: torch.Tensor) -> None:
         g = p.grad
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-            p.grad = g.redistribute(g.device_mesh, p.placements)
+            if not pending:
+                Variable._execution_engine.queue_callback(flush)
+            pending.append(p)
+
+    @torch.no_grad()
+    def flush() -> None:
+        buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for p in pending:
+            g = p.grad
+            if all(isinstance(pl, Replicate) for pl in p.placements):
+                buckets[(g.device_mesh, tuple(g.placements), g.dtype)].append(p)
+            else:
+                p.grad = g.redistribute(g.device_mesh, p.placements)
+        pending.clear()
+        for (mesh, placements, _), params in buckets.items():
+            grads = [p.grad.to_local() for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            replicate = [Replicate()] * mesh.ndim
+            summed = DTensor.from_local(flat, mesh, placements, run_check=False).redistribute(
+                mesh, replicate).to_local()
+            for p, g, part in zip(params, grads, summed.split([g.numel() for g in grads]), strict=True):
+                p.grad = DTensor.from_local(part.view_as(g), mesh, replicate, run_check=False)
 
     for p in model.parameters():
         if isinstance(p, DTensor) and p.requires_grad:
-            p.register_post_accumulate_grad_hook(reduce)
+            p.register_post_accumulate_grad_hook(record)
 
 
 # -- activations -------------------------------------------------------------------------------

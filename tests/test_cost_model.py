@@ -715,3 +715,7 @@ def test_loss_mean_and_partial_gradients(toy):
     one = collective_time(toy, "all_reduce", s, [2, 4], 1) + collective_time(toy, "reduce_scatter", 2 * s, [2, 4], 1)
     assert partial_grad_time(toy, [2, 4], grads) == pytest.approx(one)
     assert partial_grad_time(toy, [2, 4], []) == 0.0
+    # the all-reduces on one dim go out as one, of their concatenation (one latency)
+    norms = [("all_reduce", 1024, 1)] * 9
+    assert partial_grad_time(toy, [2, 4], norms) == pytest.approx(
+        collective_time(toy, "all_reduce", 9 * 1024, [2, 4], 1))

@@ -411,19 +411,27 @@ def test_vocabulary_parallel_head_computes_its_gradients_on_its_shard(sp: bool) 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
 def test_partial_gradients_are_reduced_once_in_backward(sp: bool) -> None:
-    """Norm weights (replicated, activations split) and, without SP, row-parallel weights
-    get Partial gradients; apply reduces each once as it is accumulated, so AdamW's step
-    issues no collective (DTensor would otherwise reduce one per read, three per tensor)."""
+    """Norm weights and the embedding (replicated, activations split) get Partial
+    gradients; apply reduces them once per backward, all in one all-reduce when the
+    backward ends, so AdamW's step issues no collective (DTensor would otherwise reduce
+    one per read, three per tensor)."""
+    layers = PRESETS["llama-tiny"]["num_hidden_layers"]
     with tp2_on_fake_group(sp) as model:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        with CommDebugMode() as backward:
+            loss.backward()
         partial = [n for n, p in model.named_parameters()
                    if any(pl.is_partial() for pl in p.grad.placements)]
         with CommDebugMode() as comm:
             opt.step()
     assert partial == []
     assert comm.get_total_counts() == 0
+    # without SP, each attention / MLP block's input gradient is all-reduced (Megatron's
+    # f); the 2 * layers + 1 norm weights and the embedding's gradients: one all-reduce
+    reduces = {op.__name__: n for op, n in backward.get_comm_counts().items()}["all_reduce"]
+    assert reduces == (0 if sp else 2 * layers) + 1
 
 
 @pytest.mark.parametrize("dim", [0, 1], ids=["batch-sharded", "head-sharded"])
