@@ -82,3 +82,11 @@ def test_calibrate_small_run_writes_a_loadable_profile(tmp_path):
     assert 1e-6 < t < 1.0
     group = level.groups[0]
     assert t == pytest.approx(group.latency_s.all_reduce + 2**20 / group.busbw.all_reduce)
+    # the CPU-only constants: exps per second no more than 10x a copy's elements per second
+    # (4 bytes read + 4 written each), fused attention at most the GEMM peak, eager host
+    # time per graph node above a bare add's, FSDP2's host work for both data-parallel modes
+    assert 0 < profile.transcendental_rate < profile.memory_bandwidth / 8 * 10
+    assert 0 < profile.attention_efficiency <= 1
+    assert profile.node_host_s > profile.kernel_floor_s
+    assert set(profile.fsdp_overhead) == {"replicate", "fully_shard"}
+    assert all(o.unit_s + o.byte_s > 0 for o in profile.fsdp_overhead.values())
