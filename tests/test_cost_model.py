@@ -311,7 +311,13 @@ def test_redistribute_1d_transitions(toy):
     assert redistribute_time(toy, mesh, ["P"], ["S(0)"], shape, item) == coll(
         "reduce_scatter", full
     )
-    assert redistribute_time(toy, mesh, ["S(1)"], ["R"], shape, item) == coll("all_gather", full)
+    assert redistribute_time(toy, mesh, ["S(0)"], ["R"], shape, item) == coll("all_gather", full)
+    # a shard of another dim than 0 is gathered along dim 0, then concatenated along its own
+    # (one copy of the gathered tensor); a Partial tensor is laid out along dim 0 first
+    assert redistribute_time(toy, mesh, ["S(1)"], ["R"], shape, item) == pytest.approx(
+        coll("all_gather", full) + op_time(toy, 0, 2 * full))
+    assert redistribute_time(toy, mesh, ["P"], ["S(1)"], shape, item) == pytest.approx(
+        coll("reduce_scatter", full) + op_time(toy, 0, 2 * full))
     assert redistribute_time(toy, mesh, ["S(0)"], ["S(1)"], shape, item) == coll(
         "all_to_all", full / 4
     )
