@@ -7,8 +7,13 @@ Formulation (units and choices from ``planner.strategies``):
                         x[v,c] <= z[t, in_layout(v,c)]  for every consumer v of t
     w[t,s,l] >= 0       t is produced in layout s and needed in l (linearised AND):
                         w[t,s,l] >= sum_{c: out(c)=s} x[producer(t),c] + z[t,l] - 1
-    minimise  sum x[u,c] (compute + gradient sync + FSDP gathers)
+    p[t,l,D] in {0,1}   t is needed in layout l by a column-parallel consumer, so its
+                        gradient comes back Partial on dims D (Megatron's f):
+                        x[v,c] <= p[t, in_layout(v,c), D(c)]
+    minimise  sum x[u,c] (compute + gradient sync + FSDP gathers + optimizer step)
             + sum w[t,s,l] * reshard(t, s -> l)             (forward + backward)
+            + sum w'[t,s,l,D] * partial_grad(t, s -> l, D)   (the backward's reduction;
+                        w' linearises x[producer, s] AND p[t,l,D] like w)
     s.t.      sum x[u,c] (weights + grads + optimizer + in-flight activations)
                   <= usable memory per device              (bytes, not counts)
               tied parameters take one placement across their uses
@@ -33,6 +38,8 @@ import networkx as nx
 import pulp
 
 from cost_model.comm import redistribute_cost
+from cost_model.memory import state_bytes_per_param
+from cost_model.step import optimizer_time
 from planner.strategies import Choice, Context, Unit, concrete
 
 
@@ -103,6 +110,38 @@ def reshard_s(ctx: Context, t: Tensor, src: tuple[str, ...], dst: tuple[str, ...
     return cost.total_s * ctx.microbatches
 
 
+def partial_dims(ctx: Context, unit: Unit, c: Choice) -> tuple[int, ...]:
+    """Mesh dims on which the gradient of anchor choice ``c``'s input comes back Partial:
+    where it takes the input replicated and splits the output's features (column
+    parallel), each rank's backward gives only its share of the input's gradient
+    (Megatron's f: the executor all-reduces it once per block input, or reduce-scatters
+    it into a sequence-parallel residual stream)."""
+    if unit.kind != "anchor":
+        return ()
+    return tuple(i for i in ctx.free_dims
+                 if ctx.mesh_shape[i] > 1 and c.inp[i] == "R" and c.out[i] == "H")
+
+
+def partial_grad_s(ctx: Context, t: Tensor, src: tuple[str, ...], dst: tuple[str, ...],
+                   dims: tuple[int, ...]) -> float:
+    """Seconds per step the backward of moving ``t`` from ``src`` to ``dst`` costs beyond
+    ``reshard_s`` when its gradient arrives Partial on ``dims`` (``partial_dims``): an
+    all-reduce where ``src`` is replicated, a reduce-scatter where it is sharded."""
+    if not dims:
+        return 0.0
+    s = [concrete(x, t.shape, ctx.seq_len) for x in src]
+    d = [concrete(x, t.shape, ctx.seq_len) for x in dst]
+    if None in s or None in d or not t.shape:
+        return math.inf
+    grad = ["P" if i in dims else p for i, p in enumerate(d)]
+    try:
+        extra = (redistribute_cost(ctx.profile, ctx.mesh_shape, s, d, t.shape, t.itemsize, grad).backward_s
+                 - redistribute_cost(ctx.profile, ctx.mesh_shape, s, d, t.shape, t.itemsize).backward_s)
+    except ValueError:
+        return math.inf
+    return max(0.0, extra) * ctx.microbatches
+
+
 def _solver(time_limit_s: float | None) -> tuple[pulp.LpSolver, str]:
     kwargs = {"msg": False}
     if time_limit_s:
@@ -129,12 +168,20 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
     x = {k: [prob.add_variable(f"x_{i}_{j}", cat="Binary") for j in range(len(u.choices))]
          for i, (k, u) in enumerate(units.items())}
     objective = []
+    per = state_bytes_per_param(ctx.optimizer)
+
+    def update_s(c: Choice) -> float:  # the optimizer step over the choice's parameter shard
+        return optimizer_time(ctx.profile, sum(c.state) / per.total, ctx.optimizer) if any(c.state) else 0.0
+
     for k, u in units.items():
         prob += pulp.lpSum(x[k]) == 1
-        objective += [v * (c.compute_s + c.grad_sync_s + c.gather_s) for v, c in zip(x[k], u.choices)]
+        objective += [v * (c.compute_s + c.grad_sync_s + c.gather_s + update_s(c) / state_divisor)
+                      for v, c in zip(x[k], u.choices)]
     for ti, t in enumerate(tensor_map.values()):
         prod = units[t.producer]
+        # z: t needed in a layout; p: ... with its gradient Partial on some dims
         needed: dict[tuple[str, ...], pulp.LpVariable] = {}
+        partial: dict[tuple[tuple[str, ...], tuple[int, ...]], pulp.LpVariable] = {}
         for cons in sorted(t.consumers):
             cu = units[cons]
             for v, c in zip(x[cons], cu.choices):
@@ -142,12 +189,19 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
                 if lay not in needed:
                     needed[lay] = prob.add_variable(f"z_{ti}_{len(needed)}", cat="Binary")
                 prob += v <= needed[lay]
+                if dims := partial_dims(ctx, cu, c):
+                    if (lay, dims) not in partial:
+                        partial[lay, dims] = prob.add_variable(f"p_{ti}_{len(partial)}", cat="Binary")
+                    prob += v <= partial[lay, dims]
         by_src: dict[tuple[str, ...], list] = defaultdict(list)
         for v, c in zip(x[t.producer], prod.choices):
             by_src[c.out].append(v)
+        pairs = [(lay, z, reshard_s) for lay, z in needed.items()] + [
+            ((lay, dims), z, lambda ctx, t, src, key: partial_grad_s(ctx, t, src, *key))
+            for (lay, dims), z in partial.items()]
         for si, (src, vs) in enumerate(by_src.items()):
-            for li, (lay, z) in enumerate(needed.items()):
-                cost = reshard_s(ctx, t, src, lay) * t.weight
+            for li, (lay, z, price) in enumerate(pairs):
+                cost = price(ctx, t, src, lay) * t.weight
                 if cost == 0.0:
                     continue
                 if math.isinf(cost):  # impossible pair: forbid it
@@ -195,6 +249,13 @@ def realised_resharding(ctx: Context, units: dict[str, Unit], tensor_map: dict[s
         needed = {(choice[c].inp if units[c].kind == "anchor" else choice[c].out) for c in t.consumers}
         for lay in needed:
             cost = reshard_s(ctx, t, src, lay) * t.weight
+            if cost:
+                total += cost
+                edges.append((t.key, src, lay, cost))
+        partial = {(choice[c].inp, dims) for c in t.consumers
+                   if (dims := partial_dims(ctx, units[c], choice[c]))}
+        for lay, dims in partial:
+            cost = partial_grad_s(ctx, t, src, lay, dims) * t.weight
             if cost:
                 total += cost
                 edges.append((t.key, src, lay, cost))

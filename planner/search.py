@@ -132,34 +132,24 @@ def _partial_grads(ctx: Context, graph: nx.DiGraph, chosen: Sequence[Choice]
                    ) -> list[tuple[str, float, int]]:
     """(collective, local gradient bytes, mesh dim) per gradient left Partial on a dim.
 
-    ``executor.apply`` reduces each once per backward, as it is accumulated:
-    * a parameter replicated on a model-parallel dim meets activations (or their
-      gradients) split over that dim: a pending sum there (all-reduce to R).
-      Parameters no anchor places (norm weights) are replicated everywhere;
-    * without sequence parallelism on a dim, the residual stream's gradient stays a
-      pending sum (column-parallel inputs' gradients are), so a row-parallel weight's
-      gradient, computed from it, is Partial too, at full size (reduce-scatter to S).
+    ``executor.apply`` reduces them once per backward: a parameter replicated on a
+    model-parallel dim meets activations (or their gradients) split over that dim, a
+    pending sum there (all-reduce to R).  Parameters no anchor places (norm weights) are
+    replicated everywhere.  (A row-parallel weight's gradient is not Partial: the
+    residual stream's gradient is reduced at each column-parallel block input, Megatron's
+    f, which the ILP charges as ``ilp.partial_grad_s``.)
     """
     placed = {fqn_pattern(f): pl for c in chosen for f, pl in c.weights.items()}
-    rowwise = {fqn_pattern(f): [i for i, k in zip(ctx.free_dims, c.name.split("+")) if k == "row"]
-               for c in chosen for f in c.weights}
-    sequence = {i for c in chosen for i in ctx.free_dims if c.out[i] == "Q"}
     per = state_bytes_per_param(ctx.optimizer)
     out = []
     for fqn, shape in graph.graph["param_shapes"].items():
         pl = placed.get(fqn_pattern(fqn), ("R",) * len(ctx.mesh_shape))
         for i in ctx.free_dims:
-            if ctx.mesh_shape[i] == 1:
-                continue
-            if pl[i] == "R":
-                kind = "all_reduce"
-            elif i in rowwise.get(fqn_pattern(fqn), ()) and i not in sequence:
-                kind = "reduce_scatter"
-            else:
+            if ctx.mesh_shape[i] == 1 or pl[i] != "R":
                 continue
             shards = math.prod(n for j, (n, p) in enumerate(zip(ctx.mesh_shape, pl))
                                if p.startswith("S(") and j != i)
-            out.append((kind, math.prod(shape) / shards * per.grads, i))
+            out.append(("all_reduce", math.prod(shape) / shards * per.grads, i))
     return out
 
 
