@@ -216,6 +216,7 @@ def _worker(rank: int, init_file: str, out: str, warmup: int, steps: int, repeat
         third = _timed_round_robin(steps_of, 0, thirds[2])
         if job is not None:
             job["device"] = devices + job["device"] + _all_ranks(measure_device(WORLD))
+            job["ranks"] = WORLD
         result: dict[str, Any] = {"times": {k: first[k] + second[k] + third[k] for k in first},
                                   "job": job}
         result["collectives"] = {name: _collectives_per_step(step) for name, step in steps_of.items()}

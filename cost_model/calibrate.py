@@ -630,7 +630,7 @@ def profile_from_job(
     """The Profile a ``measure_job`` result describes: per-group collective fits, the
     typical rank's device constants."""
     sizes = sorted(result["collectives"])
-    ranks = len(result["device"])
+    ranks = result.get("ranks", len(result["device"]))  # device may hold several rounds
     samples, groups = [], []
     for g in sizes:
         rows = [(k, g, n, t) for k, n, t in result["collectives"][g]]
