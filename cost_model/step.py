@@ -175,26 +175,29 @@ def partial_grad_time(
     profile: Profile,
     mesh_shape: Sequence[int],
     partial: Sequence[tuple[str, float, int]],
+    bucketed: bool = True,
 ) -> float:
     """Seconds one backward spends reducing gradients that come out Partial.
 
     ``partial``: per parameter tensor and mesh dim on which its gradient is a
     pending sum, (collective that resolves it: ``all_reduce`` to a replicated or
     ``reduce_scatter`` to a sharded parameter, local gradient bytes, mesh dim).
-    ``executor.apply`` reduces them once per micro-batch when the backward ends, not
-    overlapped: the all-reduces on one mesh dim (replicated parameters) as one
-    all-reduce of their concatenation, each reduce-scatter on its own.  Left Partial,
-    DTensor would reduce a gradient again in every optimizer op that reads it.
+    Once per micro-batch, not overlapped.  Without data-parallel dims ``executor.apply``
+    reduces them when the backward ends (``bucketed``): the all-reduces on one mesh dim
+    (replicated parameters) as one all-reduce of their concatenation, each
+    reduce-scatter on its own.  With data-parallel dims FSDP2 owns the gradients and each
+    is reduced on its own (``bucketed=False``).  Left Partial, DTensor would reduce a
+    gradient again in every optimizer op that reads it.
     """
-    bucketed: dict[int, float] = {}
+    buckets: dict[int, float] = {}
     t = 0.0
     for kind, nbytes, dim in partial:
-        if kind == "all_reduce":
-            bucketed[dim] = bucketed.get(dim, 0.0) + nbytes
+        if kind == "all_reduce" and bucketed:
+            buckets[dim] = buckets.get(dim, 0.0) + nbytes
         else:
             t += collective_time(profile, kind, nbytes, mesh_shape, dim)
     return t + sum(collective_time(profile, "all_reduce", nbytes, mesh_shape, dim)
-                   for dim, nbytes in bucketed.items())
+                   for dim, nbytes in buckets.items())
 
 
 def fsdp_host_time(profile: Profile, mode: str, units: int, param_bytes: float,

@@ -169,7 +169,8 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     stage = StageCost(
         forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m,
         blocking_comm_s=sol.reshard_s / m + loss_mean_s(ctx)
-        + partial_grad_time(ctx.profile, ctx.mesh_shape, _partial_grads(ctx, graph, list(chosen))),
+        + partial_grad_time(ctx.profile, ctx.mesh_shape, _partial_grads(ctx, graph, list(chosen)),
+                            bucketed=math.prod(ctx.mesh_shape[i] for i in data_dims) == 1),
         gather_forward_s=gather / (2 * m),
         gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen) + reduce_lat,
         optimizer_s=optimizer_time(ctx.profile, sum(state) / state_bytes_per_param(ctx.optimizer).total,

@@ -725,3 +725,6 @@ def test_loss_mean_and_partial_gradients(toy):
     norms = [("all_reduce", 1024, 1)] * 9
     assert partial_grad_time(toy, [2, 4], norms) == pytest.approx(
         collective_time(toy, "all_reduce", 9 * 1024, [2, 4], 1))
+    # ... unless FSDP2 owns the gradients (data-parallel dims): one each
+    assert partial_grad_time(toy, [2, 4], norms, bucketed=False) == pytest.approx(
+        9 * collective_time(toy, "all_reduce", 1024, [2, 4], 1))
