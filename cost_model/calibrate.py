@@ -39,10 +39,12 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from cost_model.comm import bus_factor, collective_time
+from cost_model.memory import OPTIMIZERS
 from cost_model.profile import COLLECTIVE_KINDS, Profile
 
 # torch 2.13 renamed these (the old names warn); 2.11 has only the old ones.
@@ -130,8 +132,6 @@ def measure_op_overhead(world: int) -> tuple[float, float]:
     DTensor parameters) was predicted at 0.047 s and measured at 0.086 s.  Needs a
     process group of ``world``.
     """
-    from cost_model.memory import OPTIMIZERS
-
     a, b = torch.ones(1), torch.ones(1)
     plain = _median_time(lambda: a + b)
     mesh = init_device_mesh("cpu", (world,))
@@ -253,9 +253,6 @@ def measure_fsdp_overhead() -> dict[str, tuple[float, float]]:
     FSDP2 is taken off each.  Measured here, 4 ranks at once: replicate ~3 ms per unit +
     1.7 ms per MB, fully_shard ~2 ms + 2.5 ms per MB, as much as the compute of a small
     model's step.  Call on every rank (it creates process groups)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
     from planner.presets import build_model, load_config
 
     own, rank = dist.new_subgroups(1)[0], dist.get_rank()

@@ -38,6 +38,7 @@ import networkx as nx
 
 from cost_model.compute import op_time
 from cost_model.profile import Profile
+from cost_model.step import fsdp_host_time
 from planner.tracer import layer_weight
 
 ANCHOR_OPS = {"linear", "addmm", "embedding", "scaled_dot_product_attention", "grouped_mm_fallback"}
@@ -417,8 +418,6 @@ def fsdp_host_s(ctx: Context, units: int, weight_bytes: float) -> float:
     degree = math.prod(n for name, n in zip(ctx.mesh_names, ctx.mesh_shape) if name == "dp")
     if degree == 1:
         return 0.0
-    from cost_model.step import fsdp_host_time
-
     fsdp = "dp" in ctx.fsdp
     return fsdp_host_time(ctx.profile, "fully_shard" if fsdp else "replicate", units,
                           weight_bytes * (degree if fsdp else 1), ctx.microbatches)
