@@ -24,6 +24,7 @@ quietest moment.
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import os
 import platform
@@ -491,24 +492,44 @@ def measure_job(groups: Sequence[int], sizes: Sequence[int]) -> dict[str, Any]:
 def _rank_worker(
     rank: int, world: int, init_file: str, groups: Sequence[int], sizes: Sequence[int], out: str
 ) -> None:
+    faulthandler.enable()  # a rank killed by a signal prints where it was (stderr)
     torch.set_num_threads(1)  # a rank is one thread, as executor-run training uses
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         result = measure_job(groups, sizes)
-        if rank == 0:
-            torch.save(result, out)
+        if rank == 0:  # complete once rank 0 has it (the last step gathered every rank's)
+            torch.save(result, out + ".part")
+            os.replace(out + ".part", out)
         dist.barrier()  # gloo: every rank must be done before the group goes away
     finally:
         dist.destroy_process_group()
 
 
-def measure_ranks(world: int, groups: Sequence[int], sizes: Sequence[int]) -> dict[str, Any]:
+def measure_ranks(
+    world: int, groups: Sequence[int], sizes: Sequence[int],
+    progress: Callable[[str], None] = print, retry: bool = True,
+) -> dict[str, Any]:
     """One job of ``world`` local gloo processes: collectives in groups of each size in
-    ``groups`` (all groups at once) and every rank's device constants."""
+    ``groups`` (all groups at once) and every rank's device constants.
+
+    A rank killed by a signal (seen once in CI: ``terminate called without an active
+    exception`` from gloo's C++ side, SIGABRT, not reproduced in 25 runs here) does not
+    lose a finished measurement: if rank 0 had already written the results they are used;
+    otherwise the job runs once more (``retry``).  A Python error on a rank is raised."""
     with tempfile.TemporaryDirectory() as tmp:
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out.pt")
-        mp.spawn(_rank_worker, args=(world, init, tuple(groups), tuple(sizes), out), nprocs=world,
-                 join=True)
+        try:
+            mp.spawn(_rank_worker, args=(world, init, tuple(groups), tuple(sizes), out),
+                     nprocs=world, join=True)
+        except mp.ProcessExitedException as e:
+            if not os.path.exists(out):
+                if not (retry and e.signal_name):
+                    raise
+                progress(f"rank {e.error_index} died ({e.signal_name}) mid-measurement; "
+                         "measuring again ...")
+                return measure_ranks(world, groups, sizes, progress, retry=False)
+            progress(f"rank {e.error_index} died ({e.signal_name or e.exit_code}) after the "
+                     "measurements were complete; they are kept")
         return torch.load(out, weights_only=False)
 
 
@@ -611,7 +632,7 @@ def calibrate(
         raise ValueError(f"world_sizes: every group size must divide the largest, got {sizes}")
     progress(f"{ranks} gloo processes, 1 thread each: collectives in groups of {sizes} "
              f"({len(message_sizes)} sizes), then GEMMs, copies and op dispatch in every rank at once ...")
-    profile = profile_from_job(Path(output).stem, measure_ranks(ranks, sizes, message_sizes),
+    profile = profile_from_job(Path(output).stem, measure_ranks(ranks, sizes, message_sizes, progress),
                                message_sizes, progress)
     Path(output).write_text(profile.model_dump_json(indent=2) + "\n")
     progress(f"wrote {output}")
