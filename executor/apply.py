@@ -43,7 +43,7 @@ from torch.distributed.tensor.experimental import implicit_replication, register
 from torch.utils._pytree import SUPPORTED_NODES, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from executor import deferred_init, local_regions, outputs, pipeline, rng
+from executor import deferred_init, local_regions, loss, outputs, pipeline, rng
 from executor.data import DataParallelBatch
 from planner.schema import Fingerprint, ModuleLayout, Plan, pattern_matches, shard_dim
 
@@ -358,41 +358,8 @@ def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,
             module.register_forward_hook(no_partial_outputs)
         if isinstance(module, nn.Linear) and isinstance(module.weight, DTensor):
             module.register_forward_pre_hook(_linear_input)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(head, nn.Linear) and isinstance(head.weight, DTensor):
-        _gather_logits_for_the_loss(model, head)
+    loss.install(model)  # the loss on vocabulary-sharded logits, without gathering them
     local_regions.regions(model, mesh)
-
-
-def _gather_logits_for_the_loss(model: nn.Module, head: nn.Linear) -> None:
-    """In a call with ``labels=``, vocabulary-sharded logits are gathered at the output
-    projection's boundary, as TorchTitan's plan does (``output_layouts=Replicate()``
-    without loss parallelism): the model's loss needs them whole anyway.  Left to
-    DTensor, the gather happens inside the loss's log-softmax dispatch, so the backward
-    hands the projection a whole-vocabulary gradient and it computes its weight gradient
-    for the whole vocabulary: measured on the fidelity bench's TP Llama, a [4096, 1024] @
-    [1024, 256] GEMM, 4x the sharded one.  Gathered here, the backward of the gather
-    slices the gradient first.  Without labels the logits stay sharded until the loop
-    reads them (executor.outputs), or are never gathered."""
-    call = {"labels": False}
-
-    def note(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        call["labels"] = kwargs.get("labels") is not None
-
-    def gather(module: nn.Module, args: tuple, out: Any) -> Any:
-        return _whole_vocabulary(out) if call["labels"] else out
-
-    model.register_forward_pre_hook(note, with_kwargs=True)
-    head.register_forward_hook(gather)
-
-
-def _whole_vocabulary(out: Any) -> Any:
-    """``out`` with its vocabulary (last) dim replicated where it is sharded."""
-    if not isinstance(out, DTensor):
-        return out
-    vocab = out.ndim - 1
-    target = [Replicate() if isinstance(p, Shard) and p.dim in (vocab, -1) else p for p in out.placements]
-    return out if target == list(out.placements) else out.redistribute(out.device_mesh, target)
 
 
 def _linear_input(module: nn.Linear, args: tuple) -> tuple | None:

@@ -386,12 +386,27 @@ def test_sequence_parallel_rowwise_outputs_are_reduce_scattered(learned: bool) -
     assert read == {**forward, "all_gather_into_tensor": 2 * layers + 2}
 
 
+def test_loss_on_vocabulary_shards_gathers_no_logits() -> None:
+    """With labels=, the loss runs on the column-parallel lm_head's vocabulary shards: a
+    forward issues the collectives of a call without labels plus two all-reduces (the max
+    logit, then the sum of exps with the target's logit, per token).  The loss's backward
+    communicates nothing: test_partial_gradients_are_reduced_once_in_backward counts it."""
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    with tp2_on_fake_group(sp=True) as model:
+        with CommDebugMode() as plain:
+            model(input_ids=ids, use_cache=False)
+        with CommDebugMode() as labelled:
+            model(input_ids=ids, labels=ids, use_cache=False)
+    counts = {op.__name__: n for op, n in labelled.get_comm_counts().items()}
+    assert counts == {**{op.__name__: n for op, n in plain.get_comm_counts().items()}, "allreduce_": 2}
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
 def test_vocabulary_parallel_head_computes_its_gradients_on_its_shard(sp: bool) -> None:
-    """With labels=, the column-parallel lm_head's logits are gathered at its boundary
-    (what the loss needs), not inside the loss's dispatch: backward then slices the
-    logits' gradient before the head, whose weight gradient is a local GEMM over its half
-    of the vocabulary.  (Gathered inside the loss, it was one over the whole vocabulary.)"""
+    """With labels=, the column-parallel lm_head's weight gradient is a local GEMM over
+    its half of the vocabulary: the loss runs on the shards (executor.loss).  Left to
+    DTensor, the logits were gathered inside the loss's dispatch, and their gradient
+    reached the head whole: a GEMM over the whole vocabulary."""
     ids = torch.zeros(3, SEQ, dtype=torch.long)  # 48 tokens: no model dim has that size
 
     def local_mm_lhs(prof: torch.profiler.profile) -> list[list[int]]:
