@@ -10,7 +10,8 @@ Formulation (units and choices from ``planner.strategies``):
     p[t,l,D] in {0,1}   t is needed in layout l by a column-parallel consumer, so its
                         gradient comes back Partial on dims D (Megatron's f):
                         x[v,c] <= p[t, in_layout(v,c), D(c)]
-    minimise  sum x[u,c] (compute + gradient sync + FSDP gathers + optimizer step)
+    minimise  sum x[u,c] (compute + collectives inside c (the vocab-parallel loss's)
+                          + gradient sync + FSDP gathers + optimizer step)
             + sum w[t,s,l] * reshard(t, s -> l)             (forward + backward)
             + sum w'[t,s,l,D] * partial_grad(t, s -> l, D)   (the backward's reduction;
                         w' linearises x[producer, s] AND p[t,l,D] like w)
@@ -175,7 +176,7 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
 
     for k, u in units.items():
         prob += pulp.lpSum(x[k]) == 1
-        objective += [v * (c.compute_s + c.grad_sync_s + c.gather_s + update_s(c) / state_divisor)
+        objective += [v * (c.compute_s + c.comm_s + c.grad_sync_s + c.gather_s + update_s(c) / state_divisor)
                       for v, c in zip(x[k], u.choices)]
     for ti, t in enumerate(tensor_map.values()):
         prod = units[t.producer]

@@ -115,7 +115,7 @@ def split_parts(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: So
             where = "layer" if d.get("layer") is not None else ("first" if n in first_nodes else "last")
             w[where] += proxy
         total = sum(w.values())
-        part = Part(choice.compute_s / m, sum(reshard_by_unit.get(n, 0.0) for n in u.nodes) / m,
+        part = Part(choice.compute_s / m, (sum(reshard_by_unit.get(n, 0.0) for n in u.nodes) + choice.comm_s) / m,
                     choice.gather_s / m, choice.grad_sync_s, sum(choice.state), choice.act_bytes)
         per_layer = per_layer + part * (w["layer"] / total / layers)
         first = first + part * (w["first"] / total)

@@ -168,7 +168,7 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     fwd = compute / (4 if ctx.checkpointing == "full" else 3)  # backward = 2x forward (+ recompute)
     stage = StageCost(
         forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m,
-        blocking_comm_s=sol.reshard_s / m + loss_mean_s(ctx)
+        blocking_comm_s=(sol.reshard_s + sum(c.comm_s for c in chosen)) / m + loss_mean_s(ctx)
         + partial_grad_time(ctx.profile, ctx.mesh_shape, _partial_grads(ctx, graph, list(chosen)),
                             bucketed=math.prod(ctx.mesh_shape[i] for i in data_dims) == 1),
         gather_forward_s=gather / (2 * m),
@@ -551,7 +551,7 @@ def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 
             unit.choices = [c for c in unit.choices if c.name == want]
         else:
             if not any(c.name == "H" for c in unit.choices):  # norms, residual stream: SP or replicated
-                want = "Q" if sp and any(c.name == "Q" for c in unit.choices) else "R"  # the loss: R
+                want = "Q" if sp and any(c.name == "Q" for c in unit.choices) else "R"
                 unit.choices = [c for c in unit.choices if c.name == want]
 
     fixed = {"fsdp": fsdp, "checkpointing": checkpointing, "microbatches": microbatches,

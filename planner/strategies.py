@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
+from cost_model.comm import collective_time
 from cost_model.compute import op_time
 from cost_model.profile import Profile
 from cost_model.step import fsdp_host_time
@@ -46,9 +47,8 @@ ANCHOR_OPS = {"linear", "addmm", "embedding", "scaled_dot_product_attention", "g
 REDUCING_OPS = {"mean", "sum", "var", "layer_norm", "native_layer_norm", "softmax", "_softmax",
                 "log_softmax", "_log_softmax", "cross_entropy_loss",
                 "topk", "sort", "cumsum", "histc", "rms_norm", "amax", "max", "argmax", "norm"}
-# The loss runs replicated on model-parallel dims: the executor leaves Hugging Face's
-# loss to DTensor, which gathers vocabulary-sharded logits (a column-parallel head's)
-# before the log-softmax.  (A loss-parallel executor would allow B / Q here.)
+# The loss runs replicated or, on vocabulary-sharded logits (a column-parallel head's),
+# on the shards (H): executor.loss, two all-reduces per token (_vocab_parallel_loss_s).
 LOSS_OPS = {"cross_entropy_loss"}
 VIEW_OPS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze",
             "expand", "slice", "select", "alias", "t", "split", "chunk", "unbind", "getitem",
@@ -95,6 +95,7 @@ class Choice:
     act_bytes: float = 0.0  # activations kept for backward, per device
     grad_sync_s: float = 0.0  # gradient all-reduce / reduce-scatter per step
     gather_s: float = 0.0  # FSDP all-gathers per step (forward and backward)
+    comm_s: float = 0.0  # blocking collectives inside the choice per step (the vocab-parallel loss's)
 
 
 @dataclass
@@ -332,16 +333,17 @@ def segment_choices(ctx: Context, graph: nx.DiGraph, nodes: Sequence[str]) -> li
         layout = _combine(ctx, per_dim, "B")
         if "P" in layout and not only_views:
             continue
-        if "H" in layout and shorts & REDUCING_OPS:
+        if "H" in layout and shorts & (REDUCING_OPS - LOSS_OPS):
             continue
-        if shorts & LOSS_OPS and any(layout[i] != "R" for i in ctx.free_dims):
+        if shorts & LOSS_OPS and any(layout[i] not in ("R", "H") for i in ctx.free_dims):
             continue
         if not all(_divisible(ctx, layout, s) for s in shapes):
             continue
         shards = _shards(ctx, layout)
         name = "+".join(per_dim[i] for i in ctx.free_dims) or "B"
+        comm = _vocab_parallel_loss_s(ctx, layout) if shorts & LOSS_OPS else 0.0
         out.append(Choice(name, layout, layout, _compute_s(ctx, data, shards),
-                          act_bytes=_saved_bytes(ctx, data, layers) / shards))
+                          act_bytes=_saved_bytes(ctx, data, layers) / shards, comm_s=comm))
     return out
 
 
@@ -401,6 +403,16 @@ def build_units(ctx: Context, graph: nx.DiGraph) -> tuple[dict[str, Unit], dict[
             unit.choices = segment_choices(ctx, graph, members)
         units[key] = unit
     return units, unit_of
+
+
+def _vocab_parallel_loss_s(ctx: Context, layout: Sequence[str]) -> float:
+    """Seconds per step of executor.loss's collectives on vocabulary-sharded (H) dims: an
+    all-reduce of the max logit, then one of the sum of exps and the target's logit, per
+    fp32 token of the rank's micro-batch; none in backward."""
+    tokens = ctx.microbatch * ctx.seq_len / _shards(ctx, layout, "BQ")
+    return ctx.microbatches * sum(
+        collective_time(ctx.profile, "all_reduce", 4 * n * tokens, ctx.mesh_shape, i)
+        for i in ctx.free_dims if layout[i] == "H" for n in (1, 2))
 
 
 def loss_mean_s(ctx: Context) -> float:

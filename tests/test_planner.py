@@ -193,3 +193,32 @@ def test_published_json_schema_is_current():
 
     published = json.loads((Path(__file__).parents[1] / "docs" / "plan.schema.json").read_text())
     assert published == plan_json_schema(), "regenerate docs/plan.schema.json (meshplan schema)"
+
+
+def test_the_loss_runs_on_vocabulary_shards_for_two_all_reduces_per_token():
+    """executor.loss: on a column-parallel head's vocabulary shards the loss costs its
+    share of the compute plus an all-reduce of 1 and one of 2 fp32 values per token; the
+    solver takes that over gathering the logits (R) when the head is column-parallel."""
+    from cost_model.comm import collective_time
+    from cost_model.profile import load_profile
+    from planner.presets import PRESETS
+    from planner.search import _context, _solve
+    from planner.strategies import build_units
+    from planner.tracer import trace
+
+    batch, seq = 4, 512
+    graph = trace({**PRESETS["llama-tiny"], "vocab_size": 32768, "max_position_embeddings": seq}, 1, seq)
+    profile = load_profile("h100-sxm-80g")
+    ctx = _context(profile, ("dp", "tp"), (2, 2), batch, seq, 1, False, "none", 2)  # 2 KV heads
+    units, unit_of = build_units(ctx, graph)
+    (loss,) = [u for u in units.values()
+               if any(graph.nodes[n]["short"] == "cross_entropy_loss" for n in u.nodes)]
+    by_name = {c.name: c for c in loss.choices}
+    assert set(by_name) == {"R", "H"}
+    tokens = batch // 2 * seq  # the rank's share of the batch (dp 2)
+    assert by_name["H"].comm_s == pytest.approx(
+        sum(collective_time(profile, "all_reduce", 4 * n * tokens, (2, 2), 1) for n in (1, 2)))
+    assert by_name["R"].comm_s == 0 and by_name["H"].compute_s < by_name["R"].compute_s
+    (head,) = [u for u in units.values() if u.module == "lm_head"]
+    head.choices = [c for c in head.choices if c.name == "col"]
+    assert _solve(ctx, graph, units, unit_of, None).solution.choice[loss.key].name == "H"
