@@ -6,7 +6,9 @@ global batch and sequence length):
 (a) ``titan``:   TorchTitan's Llama plan rebuilt with ``parallelize_module`` (embedding
                  rowwise, norms SequenceParallel, attention/MLP inputs gathered with
                  PrepareModuleInput, q/k/v/gate/up colwise, o/down rowwise to Shard(1),
-                 lm_head colwise) and FSDP2 ``fully_shard`` per block and root, on dp x tp;
+                 lm_head colwise with its default loss parallelism: logits left
+                 vocabulary-sharded, the step under ``loss_parallel()``) and FSDP2
+                 ``fully_shard`` per block and root, on dp x tp;
 (b) ``forced``:  ``executor.apply`` with that layout (tests/_dist.make_plan: FSDP on dp,
                  Megatron TP + sequence parallel on tp);
 (c) ``planned``: ``executor.apply`` with ``planner.plan(..., profile="cpu-gloo-local")``.
@@ -36,6 +38,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +54,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -83,7 +87,9 @@ def titan_parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     parallelize_module(model, tp, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        # TorchTitan's default (loss parallelism on): the loss runs on vocabulary shards
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                   use_local_output=False),
     })
     for block in model.model.layers:
         parallelize_module(block, tp, {
@@ -172,8 +178,9 @@ def make_trainer(name: str, plan_json: str | None = None, local: dict[str, Any] 
             n = ids.shape[0] // DP
             ids = ids[(rank // TP) * n:(rank // TP + 1) * n]
         kwargs = {} if position_ids is None else {"position_ids": position_ids}
-        loss = model(input_ids=ids, labels=ids, use_cache=False, **kwargs).loss
-        loss.backward()
+        with loss_parallel() if name == "titan" else nullcontext():  # backward inside, as TorchTitan
+            loss = model(input_ids=ids, labels=ids, use_cache=False, **kwargs).loss
+            loss.backward()
         opt.step()
         opt.zero_grad()
         return loss
