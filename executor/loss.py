@@ -88,8 +88,10 @@ def _cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tens
               and input.ndim == 2 and target.ndim == 1)
     mesh_dim = _class_mesh_dim(tuple(input.placements)) if simple else None
     token_placements = [Replicate() if i == mesh_dim else p for i, p in enumerate(input.placements)]
-    if mesh_dim is not None and isinstance(target, DTensor) and list(target.placements) != token_placements:
-        mesh_dim = None
+    if mesh_dim is not None and (list(target.placements) != token_placements
+                                 if isinstance(target, DTensor)
+                                 else any(not isinstance(p, Replicate) for p in token_placements)):
+        mesh_dim = None  # a target sharded otherwise, or plain where the tokens are sharded
     if mesh_dim is None:
         whole = [Replicate() if isinstance(p, Shard) and p.dim == _CLASS_DIM else p
                  for p in input.placements]
