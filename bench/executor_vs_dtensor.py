@@ -23,7 +23,10 @@ local model with this rank's shard shapes, steps interleaved so background load 
 alike.
 
     python -m bench.executor_vs_dtensor [--steps 12] [--warmup 3] [--part 1|2]
-                                        [--eager-rng]
+                                        [--eager-rng] [--hidden 256]
+
+``--hidden`` sizes the Llama (8 heads / 4 KV heads of hidden/8, FFN 4 x hidden): the
+per-op overheads are fixed, so their share of a step falls as the model grows.
 
 Timings on a shared machine are noisy: compare the ratios, and read the load average
 printed with each table.
@@ -73,6 +76,11 @@ CONFIG: dict[str, Any] = {
     "max_position_embeddings": SEQ, "attention_dropout": 0.1, "tie_word_embeddings": False,
 }
 SETUP_LABELS = {"titan": "(a) titan", "forced": "(b) forced", "planned": "(c) planned"}
+
+
+def configure(hidden: int) -> None:
+    """Size CONFIG's Llama (in every process: spawned ranks import the defaults)."""
+    CONFIG.update(hidden_size=hidden, intermediate_size=4 * hidden, head_dim=hidden // 8)
 
 
 # -- the three setups -----------------------------------------------------------------------
@@ -200,6 +208,7 @@ def _rank(rank: int, port: int, plans: dict[str, str | None], args: argparse.Nam
     """Every setup in ``plans`` on this rank; timed steps take turns, so that the load of a
     shared machine hits all setups alike; then the process's peak RSS."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    configure(args.hidden)
     torch.set_num_threads(1)  # 4 ranks share this machine's cores
     executor.rng.use_compiled_generator(not args.eager_rng)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -295,7 +304,8 @@ def part2(args: argparse.Namespace) -> None:
                 samples.append(time.process_time() - start)
     dist.destroy_process_group()
     medians = [statistics.median(c) for c in cpu]
-    print(f"\neager overhead, 1 process, fake process group world {WORLD} (dp{DP} x tp{TP}), "
+    print(f"\neager overhead, Llama {CONFIG['num_hidden_layers']}x{CONFIG['hidden_size']}, 1 process, "
+          f"fake process group world {WORLD} (dp{DP} x tp{TP}), "
           f"1 thread; CPU ms per step, median of {args.steps}, steps interleaved; load {_load()}")
     print(f"{'setup':<20} {'CPU ms':>8} {'x local, torch RNG':>19} {'x local, executor.rng':>22}")
     for label, m in zip(labels, medians, strict=True):
@@ -314,7 +324,12 @@ def main() -> None:
     parser.add_argument("--eager-rng", action="store_true",
                         help="executor.rng draws with eager torch ops instead of its default "
                              "compiled kernel (same bits; the compile happens during warm-up)")
+    parser.add_argument("--hidden", type=int, default=256,
+                        help="the Llama's hidden size (a multiple of 64)")
     args = parser.parse_args()
+    if args.hidden <= 0 or args.hidden % 64:
+        parser.error(f"--hidden: need a positive multiple of 64, got {args.hidden}")
+    configure(args.hidden)
     if args.part in (None, 1):
         part1(args)
     if args.part in (None, 2):
