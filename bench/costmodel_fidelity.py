@@ -289,11 +289,14 @@ def _step_table(results: list[dict], profile: dict) -> None:
     print("  predicted order: " + " < ".join(names[i] for i in _rank_order(predicted)))
 
     fwd, bwd, opt, step = _medians(_slowest_rank([r["times"][LOCAL] for r in results]))
-    dp = LAYOUTS[0].estimate(profile).time
+    # the same plain model on one device (no FSDP2, no DTensor), under the ranks' profile
+    plain = planner.estimate(MODEL, devices=1, profile=profile, dp=1, batch_size=BATCH // WORLD,
+                             seq_len=SEQ).time
     print(f"\nCompute check, no communication: a plain 1-process step on the DP local batch "
           f"({BATCH // WORLD} x {SEQ}) on all {WORLD} ranks at once: measured {step:.3f} s "
-          f"(fwd {fwd:.3f}, bwd {bwd:.3f}, opt {opt:.3f}); DP predicted compute {dp.compute_s:.3f} s "
-          f"+ optimizer {dp.optimizer_s:.3f} s")
+          f"(fwd {fwd:.3f}, bwd {bwd:.3f}, opt {opt:.3f}); predicted {plain.step_time_s:.3f} s "
+          f"(compute {plain.compute_s:.3f}, optimizer {plain.optimizer_s:.3f}), "
+          f"{plain.step_time_s / step - 1:+.0%}")
     prof = load_profile(profile)
     for name, (m, k, n) in GEMM_SHAPES.items():
         flops = 2.0 * m * k * n
