@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
 _CLASS_DIM = 1  # F.cross_entropy's input is (N, C) or (N, C, d1, ...)
@@ -45,9 +45,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int,
                 ignore_index: int, group: dist.ProcessGroup) -> torch.Tensor:
-        peak = logits.detach().amax(dim=1)
+        ctx.dtype = logits.dtype
+        x = logits.detach().float()  # half-precision logits: sums in fp32, as torch's kernels
+        peak = x.amax(dim=1)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits.detach() - peak[:, None]
+        shifted = x - peak[:, None]
         local = target - start
         inside = (local >= 0) & (local < logits.shape[1])
         index = torch.where(inside, local, 0)
@@ -57,24 +59,29 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         log_sum = sums[0].log()
         valid = target != ignore_index
         ctx.save_for_backward(shifted, log_sum, index, inside & valid, valid)
-        return torch.where(valid, log_sum - sums[1], 0.0)
+        return torch.where(valid, log_sum - sums[1], 0.0).to(ctx.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         shifted, log_sum, index, hit, valid = ctx.saved_tensors
         out = (shifted - log_sum[:, None]).exp_()  # this shard's softmax
         rows = torch.arange(out.shape[0], device=out.device)
         out[rows, index] -= hit.to(out.dtype)
-        out.mul_(torch.where(valid, grad, 0.0)[:, None])
-        return out, None, None, None, None
+        out.mul_(torch.where(valid, grad.float(), 0.0)[:, None])
+        return out.to(ctx.dtype), None, None, None, None
 
 
-def _class_mesh_dim(placements: tuple[Placement, ...]) -> int | None:
+def _class_mesh_dim(input: DTensor) -> int | None:
     """The one mesh dim that shards the class dim, when every other mesh dim is
-    Replicate or shards the batch (dim 0); None otherwise."""
+    Replicate or shards the batch (dim 0) and no rank's shard is empty; None otherwise."""
+    placements = input.placements
     dims = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == _CLASS_DIM]
     others = [p for i, p in enumerate(placements) if i not in dims]
     if len(dims) != 1 or not all(isinstance(p, Replicate) or p == Shard(0) for p in others):
+        return None
+    classes, ranks = input.shape[_CLASS_DIM], input.device_mesh.size(dims[0])
+    if -(-classes // ranks) * (ranks - 1) >= classes:  # torch.chunk leaves the last rank none
         return None
     return dims[0]
 
@@ -85,8 +92,8 @@ def _cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tens
     """``F.cross_entropy`` for a DTensor ``input``: vocab-parallel where it can be, else
     on logits gathered over the class dim."""
     simple = (weight is None and size_average is None and reduce is None and label_smoothing == 0.0
-              and input.ndim == 2 and target.ndim == 1)
-    mesh_dim = _class_mesh_dim(tuple(input.placements)) if simple else None
+              and input.ndim == 2 and target.ndim == 1 and reduction in ("mean", "sum", "none"))
+    mesh_dim = _class_mesh_dim(input) if simple else None
     token_placements = [Replicate() if i == mesh_dim else p for i, p in enumerate(input.placements)]
     if mesh_dim is not None and (list(target.placements) != token_placements
                                  if isinstance(target, DTensor)

@@ -425,14 +425,27 @@ def vocab_parallel_losses() -> dict[str, tuple[float, float]]:
         got.sum().backward()
         out[name] = (float((got.full_tensor() - expected).abs().max()),
                      float((sharded.grad.full_tensor() - whole.grad).abs().max()))
+    # one class: torch.chunk leaves rank 1 an empty shard, which takes the gathering path
+    one, zeros = torch.randn(6, 1, generator=g), torch.zeros(6, dtype=torch.long)
+    local = one if mesh.get_local_rank() == 0 else one[:, :0]
+    empty = DTensor.from_local(local, mesh, [Shard(1)], run_check=False, shape=one.shape,
+                               stride=one.stride())
+    got = _cross_entropy(empty, DTensor.from_local(zeros, mesh, [Replicate()]))
+    out["empty shard (gathers)"] = (float((got.full_tensor() - F.cross_entropy(one, zeros)).abs()), 0.0)
+    try:  # torch's own error, not a silent mean
+        _cross_entropy(sharded, DTensor.from_local(target, mesh, [Replicate()]), reduction="avg")
+    except ValueError as e:
+        out["bad reduction"] = str(e)
     return out
 
 
 def test_vocab_parallel_cross_entropy_is_torchs() -> None:
     """Loss and logits gradient equal torch's cross-entropy on the whole vocabulary, for
-    every reduction, ignored targets, uneven shards, and the gathering fallback."""
+    every reduction, ignored targets, uneven and empty shards, and the gathering fallback;
+    a bad reduction gets torch's error."""
     errors = run_on_ranks(2, vocab_parallel_losses)[0]
-    assert len(errors) == 5
+    assert "not a valid value" in errors.pop("bad reduction")
+    assert len(errors) == 6
     for name, (loss_err, grad_err) in errors.items():
         assert loss_err < 1e-5 and grad_err < 1e-6, (name, loss_err, grad_err)
 
