@@ -513,7 +513,7 @@ def measure_ranks(
     ``groups`` (all groups at once) and every rank's device constants.
 
     A rank killed by a signal (seen once in CI: ``terminate called without an active
-    exception`` from gloo's C++ side, SIGABRT, not reproduced in 25 runs here) does not
+    exception`` from gloo's C++ side, SIGABRT, not reproduced in 31 runs here) does not
     lose a finished measurement: if rank 0 had already written the results they are used;
     otherwise the job runs once more (``retry``).  A Python error on a rank is raised."""
     with tempfile.TemporaryDirectory() as tmp:
