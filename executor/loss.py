@@ -130,15 +130,18 @@ class _LossMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def install(model: nn.Module) -> None:
-    """Wrap ``model.loss_function`` (Hugging Face's), if it has one, so that its
-    cross-entropy runs on vocabulary shards."""
-    original = getattr(model, "loss_function", None)
-    if not callable(original):
-        return
+def vocab_parallel(loss_function: Callable[..., Any]) -> Callable[..., Any]:
+    """``loss_function`` with its cross-entropy on vocabulary shards (see the module)."""
 
-    def loss_function(*args: Any, **kwargs: Any) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
         with _LossMode():
-            return original(*args, **kwargs)
+            return loss_function(*args, **kwargs)
 
-    model.loss_function = loss_function
+    return wrapped
+
+
+def install(model: nn.Module) -> None:
+    """Wrap ``model.loss_function`` (Hugging Face's), if it has one."""
+    original = getattr(model, "loss_function", None)
+    if callable(original):
+        model.loss_function = vocab_parallel(original)

@@ -32,6 +32,7 @@ rank's counter is where one device's is.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,12 +49,12 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.func import functional_call
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from executor import rng
+from executor import loss, rng
 from executor.data import BatchError, DataParallelBatch
 from planner.schema import Plan
 
@@ -329,8 +330,47 @@ class _Stage(PipelineStage):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
 
-def _stage_forward(replica: nn.Module, first: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The stage's forward: its input in, a plain tensor out (what PipelineStage sends).
+class _ShardedLogits:
+    """The last stage's vocabulary-sharded logits between its forward and the loss.
+
+    PipelineStage passes plain tensors, so the stage hands the loss its shard and the
+    loss wraps it back as the DTensor it was: the loss then runs on the shards
+    (executor.loss) instead of on logits gathered whole."""
+
+    def __init__(self, shards: int) -> None:
+        self.shards = shards
+        self.spec: tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]] | None = None
+
+    def local(self, out: DTensor) -> torch.Tensor:
+        vocab = out.ndim - 1
+        keep = [p if isinstance(p, Shard) and p.dim in (vocab, -1) else Replicate() for p in out.placements]
+        out = out.redistribute(out.device_mesh, keep)
+        self.spec = (out.device_mesh, tuple(out.placements), out.shape, out.stride())
+        return out.to_local()
+
+    def whole(self, local: torch.Tensor) -> DTensor:
+        assert self.spec is not None  # noqa: S101 - the loss follows its micro-batch's forward
+        mesh, placements, shape, stride = self.spec
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _vocab_shards(plan: Plan, model: nn.Module) -> int:
+    """Into how many shards the model-parallel dims split the output projection's
+    vocabulary (its weight's dim 0), as the plan places it."""
+    head = model.get_output_embeddings()
+    fqn = next((name for name, m in model.named_modules() if m is head), None)
+    placements = plan.placement_for(f"{fqn}.weight") if fqn is not None else None
+    if placements is None:
+        return 1
+    skip = {d.dim for d in plan.data_parallel} | {plan.pipeline.dim}
+    return math.prod(d.size for d, p in zip(plan.mesh.dims, placements, strict=True)
+                     if p == "S(0)" and d.name not in skip)
+
+
+def _stage_forward(replica: nn.Module, first: bool,
+                   logits: _ShardedLogits | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The stage's forward: its input in, a plain tensor out (what PipelineStage sends):
+    whole activations, or the last stage's vocabulary shard of the logits (``logits``).
 
     Under tensor parallelism the activations inside are DTensors; tensors the model makes
     in its forward (masks, positions) are the same on every rank, so treating them as
@@ -341,7 +381,9 @@ def _stage_forward(replica: nn.Module, first: bool) -> Callable[[torch.Tensor], 
         inputs = {"input_ids": x} if first else {"inputs_embeds": x}
         with implicit_replication():
             out = run(**inputs, use_cache=False).logits
-        return out.full_tensor() if isinstance(out, DTensor) else out
+        if not isinstance(out, DTensor):
+            return out
+        return logits.local(out) if logits is not None else out.full_tensor()
 
     return forward
 
@@ -359,10 +401,14 @@ def pipelined(model: nn.Module, plan: Plan, cuts: Cuts, mesh: DeviceMesh,
     mine = [s for s in range(len(cuts.stages)) if s % pp == rank]
     _cut(model, {m for s in mine for m in cuts.stages[s]}, "", clone=False)
     replicas = {s: _cut(model, set(cuts.stages[s]), "", clone=True) for s in mine}
+    shards = _vocab_shards(plan, model)
+    logits = _ShardedLogits(shards) if shards > 1 else None
+    last = len(cuts.stages) - 1
     for s, replica in replicas.items():
-        replica.forward = _stage_forward(replica, first=s == 0)
+        replica.forward = _stage_forward(replica, first=s == 0, logits=logits if s == last else None)
         prepare(replica)
-    runner = _Runner(model, plan, cuts, replicas, mesh.get_group(spec.dim), batch, mesh.device_type)
+    runner = _Runner(model, plan, cuts, replicas, mesh.get_group(spec.dim), batch, mesh.device_type,
+                     logits)
     model.forward = runner.step
     return model
 
@@ -371,13 +417,23 @@ class _Runner:
     """One pipelined training step per call of the user's model."""
 
     def __init__(self, model: nn.Module, plan: Plan, cuts: Cuts, replicas: dict[int, nn.Module],
-                 group: dist.ProcessGroup, batch: DataParallelBatch | None, device_type: str) -> None:
+                 group: dist.ProcessGroup, batch: DataParallelBatch | None, device_type: str,
+                 logits: _ShardedLogits | None) -> None:
         self.model, self.cuts, self.replicas, self.group, self.batch = model, cuts, replicas, group, batch
         self.schedule_name, self.microbatches = plan.pipeline.schedule, plan.microbatches
         self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
             else torch.device(device_type)
-        loss_function, vocab = model.loss_function, model.config.vocab_size
-        self.loss_fn = lambda logits, labels: loss_function(logits=logits, labels=labels, vocab_size=vocab)
+        loss_function, vocab = loss.vocab_parallel(model.loss_function), model.config.vocab_size
+
+        def loss_fn(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            value = loss_function(logits=out if logits is None else logits.whole(out), labels=labels,
+                                  vocab_size=vocab)
+            return value.to_local() if isinstance(value, DTensor) else value  # replicated
+
+        self.loss_fn = loss_fn
+        tail = cuts.logits.tail  # the last stage hands on its vocabulary shard
+        self.logits = cuts.logits if logits is None else Boundary((*tail[:-1], tail[-1] // logits.shards),
+                                                                   cuts.logits.dtype)
         self._built: tuple[tuple[int, int], Any] | None = None
         self._base = 0  # the rng counter at the start of the step
         self._rows = (0, 1, 1)  # first row of micro-batch 0 in the global batch, rows per micro-batch, total
@@ -431,7 +487,7 @@ class _Runner:
         for s, replica in self.replicas.items():
             given = self.cuts.inputs[s]
             inputs = torch.empty(mb, seq, dtype=torch.long, device="meta") if given is None else given.meta(mb, seq)
-            after = self.cuts.inputs[s + 1] if s + 1 < n else self.cuts.logits
+            after = self.cuts.inputs[s + 1] if s + 1 < n else self.logits
             stages.append(_Stage(self._draws, replica, s, n, self.device, input_args=(inputs,),
                                  output_args=(after.meta(mb, seq),), group=self.group))
         cls = _SCHEDULES[self.schedule_name]

@@ -56,7 +56,6 @@ from planner.schema import (
     pattern_matches,
 )
 from planner.strategies import (
-    LOSS_OPS,
     REDUCING_OPS,
     Choice,
     Context,
@@ -196,11 +195,6 @@ def _units(ctx: Context, graph: nx.DiGraph, pins: Callable[[Unit], None] | None
 def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dict[str, str],
            time_limit_s: float | None, pp: int = 1,
            schedules: tuple[tuple[str, int], ...] = SCHEDULES) -> Candidate:
-    if pp > 1:  # executor.pipeline's last stage gathers its logits for the loss (full_tensor)
-        for u in units.values():
-            if any(graph.nodes[n]["short"] in LOSS_OPS for n in u.nodes):
-                u.choices = [c for c in u.choices
-                             if all(c.out[i] == "R" or ctx.mesh_shape[i] == 1 for i in ctx.free_dims)]
     tmap = tensors(ctx, graph, units, unit_of, canonical_map(graph))
     tied: dict[str, list[str]] = {}
     for k, u in units.items():

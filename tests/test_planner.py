@@ -198,8 +198,8 @@ def test_published_json_schema_is_current():
 def test_the_loss_runs_on_vocabulary_shards_for_two_all_reduces_per_token():
     """executor.loss: on a column-parallel head's vocabulary shards the loss costs its
     share of the compute plus an all-reduce of 1 and one of 2 fp32 values per token; the
-    solver takes that over gathering the logits (R) when the head is column-parallel, except
-    in a pipeline."""
+    solver takes that over gathering the logits (R) when the head is column-parallel, in a
+    pipeline too."""
     from cost_model.comm import collective_time
     from cost_model.profile import load_profile
     from planner.presets import PRESETS
@@ -223,5 +223,5 @@ def test_the_loss_runs_on_vocabulary_shards_for_two_all_reduces_per_token():
     (head,) = [u for u in units.values() if u.module == "lm_head"]
     head.choices = [c for c in head.choices if c.name == "col"]
     assert _solve(ctx, graph, units, unit_of, None).solution.choice[loss.key].name == "H"
-    # a pipeline's last stage gathers its logits (executor.pipeline): there the loss is R
-    assert _solve(ctx, graph, units, unit_of, None, pp=2).solution.choice[loss.key].name == "R"
+    # a pipeline's last stage hands the loss its shard too (executor.pipeline)
+    assert _solve(ctx, graph, units, unit_of, None, pp=2).solution.choice[loss.key].name == "H"
