@@ -512,24 +512,25 @@ def measure_ranks(
     """One job of ``world`` local gloo processes: collectives in groups of each size in
     ``groups`` (all groups at once) and every rank's device constants.
 
-    A rank killed by a signal (seen once in CI: ``terminate called without an active
-    exception`` from gloo's C++ side, SIGABRT, not reproduced in 31 runs here) does not
-    lose a finished measurement: if rank 0 had already written the results they are used;
-    otherwise the job runs once more (``retry``).  A Python error on a rank is raised."""
+    A failed rank (seen once in CI: ``terminate called without an active exception``
+    from gloo's C++ side, SIGABRT, not reproduced in 31 runs here; its peers may then
+    raise on the broken connection first) does not lose a finished measurement: if rank 0
+    had already written the results they are used; otherwise the job runs once more
+    (``retry``) and a second failure is raised."""
     with tempfile.TemporaryDirectory() as tmp:
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out.pt")
         try:
             mp.spawn(_rank_worker, args=(world, init, tuple(groups), tuple(sizes), out),
                      nprocs=world, join=True)
-        except mp.ProcessExitedException as e:
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+            why = str(e).strip().splitlines()[-1]
             if not os.path.exists(out):
-                if not (retry and e.signal_name):
+                if not retry:
                     raise
-                progress(f"rank {e.error_index} died ({e.signal_name}) mid-measurement; "
-                         "measuring again ...")
+                progress(f"rank {e.error_index} failed mid-measurement ({why}); measuring again ...")
                 return measure_ranks(world, groups, sizes, progress, retry=False)
-            progress(f"rank {e.error_index} died ({e.signal_name or e.exit_code}) after the "
-                     "measurements were complete; they are kept")
+            progress(f"rank {e.error_index} failed ({why}) after the measurements were complete; "
+                     "they are kept")
         return torch.load(out, weights_only=False)
 
 
