@@ -231,8 +231,14 @@ def _philox(seed: int, op: int, blocks: torch.Tensor) -> torch.Tensor:
     if compiled is not None:
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=blocks.device)
         try:
-            return compiled(blocks, as_tensor(key[0]), as_tensor(key[1]),
-                            as_tensor(op & _M32), as_tensor(op >> 32))
+            # The kernel is integer arithmetic with nothing for a torch-function mode to
+            # reroute.  Traced under this module's mode (or local_regions'), dynamo guards
+            # on the mode's Python state, which its own tracing mutates (_NOT_RANDOM
+            # learns the kernel's ops): "Guard failed on the same frame it was created",
+            # and the generator fell back to eager ops for the rest of the process.
+            with torch._C.DisableTorchFunction():
+                return compiled(blocks, as_tensor(key[0]), as_tensor(key[1]),
+                                as_tensor(op & _M32), as_tensor(op >> 32))
         except Exception as e:  # no C++ compiler, no triton, an inductor bug: same bits eagerly
             _LOG.warning("executor.rng: the compiled Philox kernel failed (%s: %s); drawing "
                          "with eager torch ops from now on (same bits, slower)",

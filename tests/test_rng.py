@@ -447,7 +447,12 @@ def test_compiled_kernel_draws_the_eager_bits(caplog: pytest.LogCaptureFixture) 
     eager = draw()
     try:
         rng.use_compiled_generator(True)
-        assert all(torch.equal(a, b) for a, b in zip(eager, draw(), strict=True))
+        # As in a fresh process: the mode has not yet seen the kernel's integer ops.
+        # Traced under it, dynamo's guards on its cache failed and every draw went eager.
+        rng._NOT_RANDOM.clear()
+        with caplog.at_level("WARNING", logger="executor.rng"):
+            assert all(torch.equal(a, b) for a, b in zip(eager, draw(), strict=True))
+        assert "failed" not in caplog.text and rng._COMPILED["fn"] is not None
 
         def broken(*args: object) -> torch.Tensor:
             raise RuntimeError("no compiler here")
