@@ -42,7 +42,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
 
 from cost_model.comm import bus_factor, collective_time
 from cost_model.memory import OPTIMIZERS
@@ -147,6 +148,54 @@ def measure_op_overhead(world: int) -> tuple[float, float]:
     local = step_time(lambda: torch.ones(4))
     ops = _OPTIMIZER_TENSORS * OPTIMIZERS["adam-fp32"].update_ops
     return plain, max(0.0, (sharded - local) / ops)
+
+
+_REDISTRIBUTE_CALLS = 40  # per timed loop; every rank issues the same collectives
+
+
+def measure_redistribute_overhead(world: int) -> float:
+    """Host s a DTensor redistribution adds to the collective it issues, per step.
+
+    A redistribution plans its transform, runs it as an autograd function and issues the
+    collective as a functional collective that it then waits on: Python on the rank's
+    only thread, which ``collective_time`` (calibrated on ``torch.distributed`` calls)
+    leaves out.  On a 1 KB tensor, for all-reduce (P -> R), all-gather (S(0) -> R) and
+    reduce-scatter (P -> S(0)) alike, this thread's CPU time (``time.thread_time``: a
+    wait costs none, gloo's own threads are not counted) per DTensor call minus per raw
+    call; the mean, scaled by this rank's share of a core (wall over CPU time of the
+    same DTensor code without a collective, R -> S(0)), to wall seconds like every other
+    host constant.  Measured here (4 ranks on 2 cores): a DTensor all-reduce 0.8 ms of
+    CPU against 0.16 for ``dist.all_reduce``; unpriced, it left the fidelity bench's
+    sequence-parallel layout (~40 of them a step) predicted a quarter low.  Needs a
+    process group of ``world``.
+    """
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.ones(world * 64)
+
+    def dtensor(src: Placement, dst: Placement) -> Callable[[], object]:
+        return lambda: DTensor.from_local(x, mesh, [src], run_check=False).redistribute(
+            mesh, [dst]).to_local()
+
+    pairs = [
+        (dtensor(Partial(), Replicate()), lambda: dist.all_reduce(x.clone())),
+        (dtensor(Shard(0), Replicate()), lambda: _ALL_GATHER(torch.empty(world * x.numel()), x)),
+        (dtensor(Partial(), Shard(0)), lambda: _REDUCE_SCATTER(torch.empty(x.numel() // world), x)),
+    ]
+
+    def cpu_per_call(fn: Callable[[], object]) -> float:
+        fn()
+        per = []
+        for _ in range(_REPEATS):
+            start = time.thread_time()
+            for _ in range(_REDISTRIBUTE_CALLS):
+                fn()
+            per.append((time.thread_time() - start) / _REDISTRIBUTE_CALLS)
+        return statistics.median(per)
+
+    extra = statistics.mean(cpu_per_call(ours) - cpu_per_call(raw) for ours, raw in pairs)
+    local = dtensor(Replicate(), Shard(0))  # no collective: wall / CPU is the core share
+    share = _median_time(local) / max(cpu_per_call(local), _MIN_TIME_S)
+    return max(0.0, extra * max(1.0, share))
 
 
 def cold_gemm_time(m: int, k: int, n: int, dtype: torch.dtype = torch.float32) -> float:
@@ -296,6 +345,7 @@ def measure_device(world: int) -> dict[str, Any]:
     out["attention"] = together(measure_attention_rate)
     out["node_host"] = together(measure_node_host)
     out["fsdp"] = together(measure_fsdp_overhead)
+    out["redistribute"] = together(lambda: measure_redistribute_overhead(world))
     return out
 
 
@@ -539,7 +589,8 @@ def _device_constants(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     def med(values: Sequence[float]) -> float:
         return statistics.median(values)
 
-    out: dict[str, Any] = {k: med([r[k] for r in per_rank]) for k in ("floor", "dtensor", "bandwidth", "exp", "attention", "node_host")}
+    out: dict[str, Any] = {k: med([r[k] for r in per_rank]) for k in ("floor", "dtensor", "redistribute", "bandwidth", "exp", "attention",
+                                                                 "node_host")}
     out["fsdp"] = {mode: tuple(med([r["fsdp"][mode][i] for r in per_rank]) for i in range(2))
                    for mode in per_rank[0]["fsdp"]}
     for dtype in ("fp32", "bf16"):
@@ -674,7 +725,8 @@ def profile_from_job(
         f"host {device['node_host'] * 1e6:.0f} us per graph node; FSDP2 " + ", ".join(
             f"{m} {u * 1e3:.1f} ms/unit + {b * 1e9:.2f} ms/MB" for m, (u, b) in device["fsdp"].items())
         + f"; op dispatch "
-        f"{device['floor'] * 1e6:.1f} us, DTensor +{device['dtensor'] * 1e6:.1f} us"
+        f"{device['floor'] * 1e6:.1f} us, DTensor +{device['dtensor'] * 1e6:.1f} us, "
+        f"DTensor redistribution +{device['redistribute'] * 1e6:.0f} us"
     )
     progress(f"a collective beside compute adds {result['overlap']:.2f} s per second of it "
              f"(overlap_exposure; 0 = hidden, 1 = serialised)")
@@ -694,6 +746,7 @@ def profile_from_job(
         fsdp_overhead={mode: {"unit_s": u, "byte_s": b} for mode, (u, b) in device["fsdp"].items()},
         kernel_floor_s=device["floor"],
         dtensor_op_overhead_s=device["dtensor"],
+        dtensor_redistribute_s=device["redistribute"],
         overlap_exposure=min(4.0, result["overlap"]),
         levels=[{"name": "loopback", "devices": None, "busbw": busbw, "latency_s": latency,
                  "groups": groups}],
@@ -705,7 +758,8 @@ def profile_from_job(
         f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
         f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, {COPY_BYTES >> 20} MB copies and exps, causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
-        f"AdamW steps on {_OPTIMIZER_TENSORS} tiny DTensor vs plain parameters, timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
+        f"AdamW steps on {_OPTIMIZER_TENSORS} tiny DTensor vs plain parameters, "
+        f"1 KB DTensor redistributions vs raw collectives (thread CPU time x core share), timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
         f"overlap_exposure: {OVERLAP_BYTES >> 20} MB all-reduce / all-gather issued asynchronously beside "
         f"matmuls, (together - matmuls alone) / collective alone, median of {_REPEATS} interleaved repeats "
         f"per kind; "

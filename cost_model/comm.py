@@ -300,6 +300,7 @@ def _step_time(
         return op_time(profile, 0, 2 * local_bytes / (n if b != "P" else 1))
     gathered = kind == "all_gather"
     t = collective_time(profile, kind, local_bytes * n if gathered else local_bytes, mesh_shape, m)
+    t += profile.dtensor_redistribute_s  # DTensor's own host work around the collective
     if gathered and b != "R":  # the CPU all-to-all fallback then keeps one chunk
         t += op_time(profile, 0, 2 * local_bytes)
     # collectives move dim 0: DTensor gathers a shard of another dim along dim 0 and

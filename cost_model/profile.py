@@ -134,6 +134,15 @@ class Profile(_Strict):
         description="extra host time per op whose operands are DTensors (sharding "
         "propagation, unwrapping and rewrapping), s",
     )
+    dtensor_redistribute_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="extra host time per collective that DTensor issues (a redistribution "
+        "step, forward or backward: transform planning, the Redistribute autograd "
+        "function, functional-collective wrapping and waiting), over the same collective "
+        "called through torch.distributed, s. On a CPU the rank's only thread pays it; 0: "
+        "not measured (a GPU host issues it beside the device's work)",
+    )
     attention_efficiency: Fraction | None = Field(
         default=None,
         description="achievable fraction of peak_flops for fused attention "

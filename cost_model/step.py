@@ -187,7 +187,8 @@ def partial_grad_time(
     (replicated parameters) as one all-reduce of their concatenation, each
     reduce-scatter on its own.  With data-parallel dims FSDP2 owns the gradients and each
     is reduced on its own (``bucketed=False``).  Left Partial, DTensor would reduce a
-    gradient again in every optimizer op that reads it.
+    gradient again in every optimizer op that reads it.  Either way each reduction is a
+    DTensor redistribution (``Profile.dtensor_redistribute_s`` of host time on top).
     """
     buckets: dict[int, float] = {}
     t = 0.0
@@ -195,9 +196,9 @@ def partial_grad_time(
         if kind == "all_reduce" and bucketed:
             buckets[dim] = buckets.get(dim, 0.0) + nbytes
         else:
-            t += collective_time(profile, kind, nbytes, mesh_shape, dim)
+            t += collective_time(profile, kind, nbytes, mesh_shape, dim) + profile.dtensor_redistribute_s
     return t + sum(collective_time(profile, "all_reduce", nbytes, mesh_shape, dim)
-                   for dim, nbytes in buckets.items())
+                   + profile.dtensor_redistribute_s for dim, nbytes in buckets.items())
 
 
 def fsdp_host_time(profile: Profile, mode: str, units: int, param_bytes: float,

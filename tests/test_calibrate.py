@@ -82,6 +82,8 @@ def test_calibrate_small_run_writes_a_loadable_profile(tmp_path):
     assert all(0 < p.efficiency <= 1 for p in profile.gemm_efficiency)
     # eager dispatch costs a CPU rank between a tenth of a microsecond and a millisecond
     assert 1e-7 < profile.kernel_floor_s < 1e-3 and profile.dtensor_op_overhead_s < 1e-2
+    # a DTensor redistribution's Python around its collective: more than nothing, less than 0.1 s
+    assert 0 < profile.dtensor_redistribute_s < 0.1
     # the 2-process group was measured and is what comm uses for it
     (level,) = profile.levels
     assert [g.size for g in level.groups] == [2]

@@ -334,7 +334,29 @@ def test_redistribute_on_cpu_gathers_instead_of_all_to_all():
     cpu = load_profile("cpu-gloo-local")
     got = redistribute_time(cpu, [2], ["S(0)"], ["S(1)"], [64, 64], 4)
     gather = collective_time(cpu, "all_gather", 64 * 64 * 4, [2], 0)
-    assert got == pytest.approx(gather + op_time(cpu, 0, 2 * 64 * 32 * 4))
+    assert got == pytest.approx(gather + cpu.dtensor_redistribute_s + op_time(cpu, 0, 2 * 64 * 32 * 4))
+
+
+def test_dtensor_host_time_per_collective_step(toy):
+    """A profile's DTensor redistribution overhead is charged once per collective a
+    redistribution issues, forward and backward, and once per Partial-gradient reduction;
+    local steps (chunks, divides) issue none."""
+    h = 1e-3
+    slow = toy.model_copy(update={"dtensor_redistribute_s": h})
+    shape, item = [64, 128], 4
+    for src, dst, steps in ((["P"], ["R"], 1), (["S(1)"], ["R"], 1), (["R"], ["S(0)"], 0),
+                            (["S(0)", "P"], ["R", "R"], 2), (["R", "R"], ["S(0)", "S(1)"], 0)):
+        mesh = [4] * len(src)
+        assert redistribute_time(slow, mesh, src, dst, shape, item) == pytest.approx(
+            redistribute_time(toy, mesh, src, dst, shape, item) + steps * h)
+    # sequence-parallel entry with a Partial gradient: all-gather forward, reduce-scatter back
+    c0 = redistribute_cost(toy, [4], ["S(1)"], ["R"], shape, item, grad_placements=["P"])
+    c1 = redistribute_cost(slow, [4], ["S(1)"], ["R"], shape, item, grad_placements=["P"])
+    assert (c1.forward_s - c0.forward_s, c1.backward_s - c0.backward_s) == pytest.approx((h, h))
+    norms = [("all_reduce", 1024, 1)] * 9
+    assert partial_grad_time(slow, [2, 4], norms) == pytest.approx(partial_grad_time(toy, [2, 4], norms) + h)
+    assert partial_grad_time(slow, [2, 4], norms, bucketed=False) == pytest.approx(
+        partial_grad_time(toy, [2, 4], norms, bucketed=False) + 9 * h)
 
 
 def test_redistribute_2d_uses_local_sizes(toy):
