@@ -16,7 +16,10 @@ global batch and sequence length):
 Part 1 runs the three setups on the same 4 gloo processes, their steps taking turns (a
 shared machine's changing load then hits all alike), and prints tokens/s, the median step
 time (warm-up excluded) and the ratios; peak RSS per rank comes from a short run of each
-setup alone in fresh processes.
+setup alone in fresh processes.  It also prints the CPU time all 4 ranks spend per step
+(the processes', gloo's threads included) and how busy that keeps the machine's cores:
+with more ranks than cores a step is bound by the work all ranks do, so a setup is
+faster only by doing less.
 Part 2 measures eager overhead: CPU time per step of (a) and (b) in ONE process with
 torch's fake process group at world size 4 (collectives cost nothing), next to the plain
 local model with this rank's shard shapes, steps interleaved so background load hits all
@@ -214,16 +217,18 @@ def _rank(rank: int, port: int, plans: dict[str, str | None], args: argparse.Nam
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     trainers = [make_trainer(name, plan) for name, plan in plans.items()]
     times: list[list[float]] = [[] for _ in trainers]
+    cpu: list[list[float]] = [[] for _ in trainers]  # the process's, gloo's threads included
     losses: list[list[float]] = [[] for _ in trainers]
     for i, ids in enumerate(batches(args.warmup + args.steps)):
-        for t, ts, ls in zip(trainers, times, losses, strict=True):
+        for t, ts, cs, ls in zip(trainers, times, cpu, losses, strict=True):
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             ls.append(t.step(ids))
             if i >= args.warmup:
                 ts.append(time.perf_counter() - start)
+                cs.append(time.process_time() - start_cpu)
     dist.barrier()
-    results.put((rank, times, losses, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+    results.put((rank, times, losses, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, cpu))
     dist.destroy_process_group()
 
 
@@ -255,6 +260,11 @@ def part1(args: argparse.Namespace) -> None:
     # A step ends when the slowest rank ends it (the next step starts at a barrier).
     median = {name: statistics.median(max(ts) for ts in zip(*(g[1][k] for g in got), strict=True))
               for k, name in enumerate(plans)}
+    # CPU seconds all ranks spend on a step: with more ranks than cores the step is
+    # bound by it (cores busy ~ cpu / step), not by waiting
+    cpu = {name: statistics.median(sum(cs) for cs in zip(*(g[4][k] for g in got), strict=True))
+           for k, name in enumerate(plans)}
+    cores = os.cpu_count() or 1
     losses = {name: got[0][2][k] for k, name in enumerate(plans)}
     # Peak RSS needs a process per setup: a short run of each alone.
     short = argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 1})
@@ -262,10 +272,12 @@ def part1(args: argparse.Namespace) -> None:
     print(f"\n4 gloo ranks, Llama {CONFIG['num_hidden_layers']}x{CONFIG['hidden_size']}, "
           f"global batch {BATCH} x seq {SEQ}, fp32, AdamW; median of {args.steps} steps after "
           f"{args.warmup} warm-up, setups taking turns; load {_load()}")
-    print(f"{'setup':<12} {'step ms':>9} {'tokens/s':>10} {'peak RSS MiB, ranks 0-3':>26} {'loss 0':>8}")
+    print(f"{'setup':<12} {'step ms':>9} {'tokens/s':>10} {'CPU ms, 4 ranks':>16} "
+          f"{f'of {cores} cores':>11} {'peak RSS MiB, ranks 0-3':>26} {'loss 0':>8}")
     for name in plans:
         ranks = " ".join(f"{r / 2**20:.0f}" for r in rss[name])
         print(f"{SETUP_LABELS[name]:<12} {median[name] * 1e3:>9.1f} {BATCH * SEQ / median[name]:>10.0f} "
+              f"{cpu[name] * 1e3:>16.0f} {cpu[name] / median[name] / cores:>11.0%} "
               f"{ranks:>26} {losses[name][0]:>8.4f}")
     print(f"tokens/s ratios: (b)/(a) {median['titan'] / median['forced']:.2f}x, "
           f"(c)/(b) {median['forced'] / median['planned']:.2f}x")
