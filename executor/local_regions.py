@@ -46,9 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -103,44 +101,6 @@ class _Step:
     ins: list[_Layout | None]
     outs: list[_Layout | None]
     changed: bool
-    # per dtype, set on the first replay with it: _direct_specs, or () for the round trip
-    direct: dict[torch.dtype, tuple[DTensorSpec, ...]] = field(default_factory=dict)
-
-
-def _direct_specs(step: _Step, dtype: torch.dtype) -> tuple[DTensorSpec, ...] | None:
-    """(from, to, gradient from, gradient to) specs where ``step`` is one tensor moved
-    between placements on one mesh: the replay runs it as DTensor's own
-    ``redistribute_local_tensor`` on the local shard, forward and backward, without the
-    three autograd functions, the wrapper objects and the placement planning of a
-    ``from_local`` -> ``redistribute`` -> ``to_local`` round trip (0.5-0.8 ms of Python
-    per collective on a CPU rank).  The gradient goes from the placements the
-    recording's backward delivered to the input's, Partial made Replicate, as
-    ``from_local`` does.  Anything else (random ops, several tensors) takes the round trip.
-    The check in ``Region._learn`` compares this replay with the DTensor run."""
-    if len(step.ins) != 1 or len(step.outs) != 1:
-        return None
-    a, b = step.ins[0], step.outs[0]
-    if a is None or b is None or a.mesh != b.mesh or a.shape != b.shape or a.placements == b.placements:
-        return None
-
-    def spec(lay: _Layout, placements: tuple[Placement, ...]) -> DTensorSpec:
-        return DTensorSpec(lay.mesh, placements, tensor_meta=TensorMeta(lay.shape, lay.stride, dtype))
-
-    grad_to = tuple(Replicate() if p.is_partial() else p for p in a.placements)
-    return spec(a, a.placements), spec(b, b.placements), spec(b, b.grad or b.placements), spec(a, grad_to)
-
-
-class _Redistribute(torch.autograd.Function):
-    """A local shard moved as ``_direct_specs`` says."""
-
-    @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, specs: tuple[DTensorSpec, ...]) -> torch.Tensor:
-        ctx.specs = specs
-        return redistribute_local_tensor(local, specs[0], specs[1])
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return redistribute_local_tensor(grad.contiguous(), ctx.specs[2], ctx.specs[3]), None
 
 
 @dataclass
@@ -192,14 +152,6 @@ def convert(values: Any, fn: Callable[[Any], Any]) -> Any:
     leaves, spec = tree_flatten(values)
     if len(leaves) != len(step.ins):
         raise _Mismatch("a boundary received another number of values than recorded")
-    if len(leaves) == 1 and isinstance(leaves[0], torch.Tensor) and not isinstance(leaves[0], DTensor):
-        local = leaves[0]
-        if local.dtype not in step.direct:
-            step.direct[local.dtype] = _direct_specs(step, local.dtype) or ()
-        if specs := step.direct[local.dtype]:
-            if local.shape != step.ins[0].local_shape:
-                raise _Mismatch(f"local shape {tuple(local.shape)}, recorded {tuple(step.ins[0].local_shape)}")
-            return tree_unflatten([_Redistribute.apply(local, specs)], spec)
     wrapped = [lay.wrap(t) if lay is not None else t for t, lay in zip(leaves, step.ins, strict=True)]
     out_leaves, out_spec = tree_flatten(fn(tree_unflatten(wrapped, spec)))
     if len(out_leaves) != len(step.outs):
