@@ -19,8 +19,11 @@ bench runs exactly the plans the executor tests check for single-device equality
 Each layout is predicted by ``planner.estimate`` with the same profile: the planner's
 own cost function with the placements pinned.  Nothing here adjusts a constant.
 
-For diagnosis, each layout also records forward / backward / optimizer time and the
-collectives it issues in one step (``CommDebugMode``), and the ranks run two
+For diagnosis, each layout also records forward / backward / optimizer time, the CPU
+seconds all ranks spend per step (``CPU s``, gloo's threads included) and the share of the
+machine's cores that keeps busy (``busy``: with 4 single-thread ranks on 2 cores a step is
+bound by the work of all ranks; what it adds to ``CPU s / cores`` is time with idle
+cores), the collectives it issues in one step (``CommDebugMode``), and the ranks run two
 communication-free references under the same contention: a plain 1-process step on
 the DP local batch, and fp32 GEMMs timed as calibration times them (a square one, and the
 thinnest GEMM of a TP rank), with one thread per rank.
@@ -108,7 +111,9 @@ LAYOUTS = (
 # -- on the ranks ---------------------------------------------------------------------------
 
 def _phases(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor) -> list[float]:
-    """One training step, as the user's loop writes it; seconds of forward, backward, optimizer."""
+    """One training step, as the user's loop writes it; seconds of forward, backward,
+    optimizer, and the process's CPU seconds for the step (gloo's threads included)."""
+    cpu = time.process_time()
     t0 = time.perf_counter()
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     t1 = time.perf_counter()
@@ -116,7 +121,7 @@ def _phases(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tenso
     t2 = time.perf_counter()
     opt.step()
     opt.zero_grad()
-    return [t1 - t0, t2 - t1, time.perf_counter() - t2]
+    return [t1 - t0, t2 - t1, time.perf_counter() - t2, time.process_time() - cpu]
 
 
 def _timed_round_robin(steps_of: dict[str, Callable[[], list[float]]], warmup: int,
@@ -235,14 +240,15 @@ def _worker(rank: int, init_file: str, out: str, warmup: int, steps: int, repeat
 # -- reporting -----------------------------------------------------------------------------
 
 def _slowest_rank(per_rank: list[list[list[float]]]) -> list[list[float]]:
-    """Per step: fwd, bwd, opt of the slowest rank in each, and the slowest rank's step
-    (SPMD waits for it)."""
-    return [[max(r[i] for r in ranks) for i in range(3)] + [max(sum(r) for r in ranks)]
+    """Per step: fwd, bwd, opt of the slowest rank in each, the slowest rank's step (SPMD
+    waits for it), and the CPU seconds all ranks spent on it."""
+    return [[max(r[i] for r in ranks) for i in range(3)] + [max(sum(r[:3]) for r in ranks),
+                                                             sum(r[3] for r in ranks)]
             for ranks in zip(*per_rank, strict=True)]
 
 
 def _medians(steps: list[list[float]]) -> list[float]:
-    return [statistics.median(s[i] for s in steps) for i in range(4)]
+    return [statistics.median(s[i] for s in steps) for i in range(5)]
 
 
 def _rank_order(values: list[float]) -> list[int]:
@@ -266,18 +272,21 @@ def _step_table(results: list[dict], profile: dict) -> None:
     print(f"\n== Step time: Llama h256 L4 heads 8/4 ffn 768 vocab 4096, batch {BATCH} x seq {SEQ}, "
           f"{WORLD} gloo ranks, forward+backward+AdamW ==")
     print(f"{'layout':<16}{'measured s':>11}{'min s':>7}{'predicted s':>12}{'error':>8}   "
-          f"{'fwd':>6}{'bwd':>6}{'opt':>6} | {'pred compute':>12}{'exp comm':>9}{'opt':>7}   collectives/step")
+          f"{'fwd':>6}{'bwd':>6}{'opt':>6}{'CPU s':>7}{'busy':>6} | {'pred compute':>12}{'exp comm':>9}"
+          f"{'opt':>7}   collectives/step")
+    cores = os.cpu_count() or 1
     measured, fastest, predicted = [], [], []
     for layout in LAYOUTS:
         steps = _slowest_rank([r["times"][layout.name] for r in results])
-        fwd, bwd, opt, step = _medians(steps)
+        fwd, bwd, opt, step, cpu = _medians(steps)
         t = layout.estimate(profile).time
         measured.append(step)
         fastest.append(min(s[3] for s in steps))
         predicted.append(t.step_time_s)
         colls = ", ".join(f"{k} {v}" for k, v in sorted(results[0]["collectives"][layout.name].items()))
         print(f"{layout.name:<16}{step:>11.3f}{fastest[-1]:>7.3f}{t.step_time_s:>12.3f}{(t.step_time_s - step) / step:>+8.0%}   "
-              f"{fwd:>6.3f}{bwd:>6.3f}{opt:>6.3f} | {t.compute_s:>12.3f}{t.exposed_communication_s:>9.3f}"
+              f"{fwd:>6.3f}{bwd:>6.3f}{opt:>6.3f}{cpu:>7.3f}{cpu / step / cores:>6.0%} | "
+              f"{t.compute_s:>12.3f}{t.exposed_communication_s:>9.3f}"
               f"{t.optimizer_s:>7.3f}   {colls}")
     mape = statistics.mean(abs(p - m) / m for p, m in zip(predicted, measured, strict=True))
     names = [lay.name for lay in LAYOUTS]
@@ -288,7 +297,7 @@ def _step_table(results: list[dict], profile: dict) -> None:
     print("  measured order : " + " < ".join(names[i] for i in _rank_order(measured)))
     print("  predicted order: " + " < ".join(names[i] for i in _rank_order(predicted)))
 
-    fwd, bwd, opt, step = _medians(_slowest_rank([r["times"][LOCAL] for r in results]))
+    fwd, bwd, opt, step, _ = _medians(_slowest_rank([r["times"][LOCAL] for r in results]))
     # the same plain model on one device (no FSDP2, no DTensor), under the ranks' profile
     plain = planner.estimate(MODEL, devices=1, profile=profile, dp=1, batch_size=BATCH // WORLD,
                              seq_len=SEQ).time
