@@ -159,14 +159,18 @@ def measure_redistribute_overhead(world: int) -> float:
     A redistribution plans its transform, runs it as an autograd function and issues the
     collective as a functional collective that it then waits on: Python on the rank's
     only thread, which ``collective_time`` (calibrated on ``torch.distributed`` calls)
-    leaves out.  On a 1 KB tensor, for all-reduce (P -> R), all-gather (S(0) -> R) and
-    reduce-scatter (P -> S(0)) alike, this thread's CPU time (``time.thread_time``: a
+    leaves out.  On a tensor of 256 x ``world`` bytes (1 KB at 4 ranks), for all-reduce
+    (P -> R), all-gather (S(0) -> R) and reduce-scatter (P -> S(0)) alike, this thread's CPU time (``time.thread_time``: a
     wait costs none, gloo's own threads are not counted) per DTensor call minus per raw
     call; the mean, scaled by this rank's share of a core (wall over CPU time of the
     same DTensor code without a collective, R -> S(0)), to wall seconds like every other
     host constant.  Measured here (4 ranks on 2 cores): a DTensor all-reduce 0.8 ms of
     CPU against 0.16 for ``dist.all_reduce``; unpriced, it left the fidelity bench's
-    sequence-parallel layout (~40 of them a step) predicted a quarter low.  Needs a
+    sequence-parallel layout (~40 of them a step) predicted a quarter low.  The timed
+    call is a ``from_local -> redistribute -> to_local`` round trip, the shape of an
+    executor boundary; a backward step (``Redistribute.backward`` on the gradient) skips
+    the two wrappers (~0.35 of the ~0.65 ms here), so charging it the same
+    overestimates backward steps: an approximation, one constant for both.  Needs a
     process group of ``world``.
     """
     mesh = init_device_mesh("cpu", (world,))
@@ -589,8 +593,8 @@ def _device_constants(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     def med(values: Sequence[float]) -> float:
         return statistics.median(values)
 
-    out: dict[str, Any] = {k: med([r[k] for r in per_rank]) for k in ("floor", "dtensor", "redistribute", "bandwidth", "exp", "attention",
-                                                                 "node_host")}
+    scalars = ("floor", "dtensor", "redistribute", "bandwidth", "exp", "attention", "node_host")
+    out: dict[str, Any] = {k: med([r[k] for r in per_rank]) for k in scalars}
     out["fsdp"] = {mode: tuple(med([r["fsdp"][mode][i] for r in per_rank]) for i in range(2))
                    for mode in per_rank[0]["fsdp"]}
     for dtype in ("fp32", "bf16"):

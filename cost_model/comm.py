@@ -44,6 +44,10 @@ R -> P     local divide (sum partial: v / n)      -
 S -> P     unsupported by DTensor                 ValueError
 =========  =====================================  =================================
 
+Each collective step also costs the profile's ``dtensor_redistribute_s``: the host time
+DTensor spends around the collective beyond the ``torch.distributed`` call the
+collective constants were calibrated on (0 in the GPU profiles).
+
 Backward: DTensor's ``Redistribute.backward`` redistributes the gradient, which
 arrives in the forward's *destination* placements, back to the *source*
 placements, except that a source ``P`` becomes ``R`` when the gradient is ``S``
