@@ -160,11 +160,11 @@ def measure_redistribute_overhead(world: int) -> float:
     collective as a functional collective that it then waits on: Python on the rank's
     only thread, which ``collective_time`` (calibrated on ``torch.distributed`` calls)
     leaves out.  On a tensor of 256 x ``world`` bytes (1 KB at 4 ranks), for all-reduce
-    (P -> R), all-gather (S(0) -> R) and reduce-scatter (P -> S(0)) alike, this thread's CPU time (``time.thread_time``: a
-    wait costs none, gloo's own threads are not counted) per DTensor call minus per raw
-    call; the mean, scaled by this rank's share of a core (wall over CPU time of the
-    same DTensor code without a collective, R -> S(0)), to wall seconds like every other
-    host constant.  Measured here (4 ranks on 2 cores): a DTensor all-reduce 0.8 ms of
+    (P -> R), all-gather (S(0) -> R) and reduce-scatter (P -> S(0)) alike, this thread's
+    CPU time (``time.thread_time``: a wait costs none, gloo's own threads are not
+    counted) per DTensor call minus per raw call; the mean, scaled by this rank's share
+    of a core (wall over CPU time of the same DTensor code without a collective,
+    R -> S(0)), to wall seconds like every other host constant.  Measured here (4 ranks on 2 cores): a DTensor all-reduce 0.8 ms of
     CPU against 0.16 for ``dist.all_reduce``; unpriced, it left the fidelity bench's
     sequence-parallel layout (~40 of them a step) predicted a quarter low.  The timed
     call is a ``from_local -> redistribute -> to_local`` round trip, the shape of an
@@ -763,7 +763,7 @@ def profile_from_job(
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
         f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, {COPY_BYTES >> 20} MB copies and exps, causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
         f"AdamW steps on {_OPTIMIZER_TENSORS} tiny DTensor vs plain parameters, "
-        f"1 KB DTensor redistributions vs raw collectives (thread CPU time x core share), timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
+        f"{256 * ranks} B DTensor redistributions vs raw collectives (thread CPU time x core share), timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
         f"overlap_exposure: {OVERLAP_BYTES >> 20} MB all-reduce / all-gather issued asynchronously beside "
         f"matmuls, (together - matmuls alone) / collective alone, median of {_REPEATS} interleaved repeats "
         f"per kind; "
