@@ -45,7 +45,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from cost_model.comm import bus_factor, collective_time
+from cost_model.comm import GLOO_STAGED, bus_factor, collective_time
+from cost_model.compute import fresh_pages_time
 from cost_model.memory import OPTIMIZERS
 from cost_model.profile import COLLECTIVE_KINDS, Profile
 
@@ -57,6 +58,11 @@ DEFAULT_MESSAGE_SIZES = (64 * 2**10, 2**20, 8 * 2**20, 64 * 2**20)
 GEMM_SIZES = (64, 128, 256, 512, 1024)
 COPY_BYTES = 16 * 2**20  # larger than a core's share of the last-level cache
 COLD_BYTES = 64 * 2**20  # GEMM operand pool per rank: 4 ranks' pools overflow a 105 MB L3
+# glibc's malloc serves a block from its mmap threshold with fresh pages and unmaps it on
+# free; the threshold adapts upwards to freed blocks but stops at 32 MiB on 64-bit Linux
+# (DEFAULT_MMAP_THRESHOLD_MAX), so from there every allocation faults its pages in anew.
+FRESH_ALLOC_BYTES = 32 * 2**20
+FRESH_BYTES = 64 * 2**20  # the fresh allocation measure_fresh_pages times
 _REPEATS = 7
 _T = TypeVar("_T")
 OVERLAP_BYTES = 8 * 2**20  # a layer's gradients or parameters in the fidelity model's range
@@ -239,6 +245,17 @@ def measure_memory_bandwidth(nbytes: int = COPY_BYTES) -> float:
     return 2 * nbytes / _median_time(lambda: dst.copy_(src))
 
 
+def measure_fresh_pages(nbytes: int = FRESH_BYTES) -> float:
+    """s per byte that filling a new ``nbytes`` tensor costs over filling a reused one:
+    the page faults, zeroing and unmapping of an allocation from ``FRESH_ALLOC_BYTES`` up
+    (4 ranks at once here: ~1.2 ns/B, ~7x the fill itself).  gloo's all-gather and
+    reduce-scatter allocate such a buffer per call (cost_model.comm.staging_time)."""
+    reused = torch.empty(nbytes // 4)
+    fill = _median_time(lambda: reused.fill_(1.0))
+    fresh = _median_time(lambda: torch.empty(nbytes // 4).fill_(1.0))
+    return max(0.0, fresh - fill) / nbytes
+
+
 def measure_transcendental_rate(nbytes: int = COPY_BYTES) -> float:
     """exp evaluations per second: ``torch.exp`` of a float32 tensor larger than a core's
     share of the cache into a fresh output, as an eager op writes.  A CPU evaluates exp
@@ -345,6 +362,7 @@ def measure_device(world: int) -> dict[str, Any]:
     except RuntimeError:  # a CPU build without bf16 matmul kernels (every rank alike)
         out["bf16"] = None
     out["bandwidth"] = together(measure_memory_bandwidth)
+    out["fresh_pages"] = together(measure_fresh_pages)
     out["exp"] = together(measure_transcendental_rate)
     out["attention"] = together(measure_attention_rate)
     out["node_host"] = together(measure_node_host)
@@ -593,7 +611,8 @@ def _device_constants(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     def med(values: Sequence[float]) -> float:
         return statistics.median(values)
 
-    scalars = ("floor", "dtensor", "redistribute", "bandwidth", "exp", "attention", "node_host")
+    scalars = ("floor", "dtensor", "redistribute", "bandwidth", "fresh_pages", "exp", "attention",
+               "node_host")
     out: dict[str, Any] = {k: med([r[k] for r in per_rank]) for k in scalars}
     out["fsdp"] = {mode: tuple(med([r["fsdp"][mode][i] for r in per_rank]) for i in range(2))
                    for mode in per_rank[0]["fsdp"]}
@@ -708,9 +727,13 @@ def profile_from_job(
     typical rank's device constants."""
     sizes = sorted(result["collectives"])
     ranks = result.get("ranks", len(result["device"]))  # device may hold several rounds
+    device = _device_constants(result["device"])
     samples, groups = [], []
     for g in sizes:
-        rows = [(k, g, n, t) for k, n, t in result["collectives"][g]]
+        # latency and busbw are fitted to the transfer alone: the staging buffer's fresh
+        # pages are measured apart (measure_fresh_pages) and comm adds them back
+        rows = [(k, g, n, max(_MIN_TIME_S, t - _staging(k, n, device["fresh_pages"])))
+                for k, n, t in result["collectives"][g]]
         samples += rows
         latency, busbw, unfit = fit_group(rows)
         if unfit:
@@ -718,14 +741,14 @@ def profile_from_job(
         groups.append({"size": g, "latency_s": latency, "busbw": busbw})
         progress(f"  groups of {g}: " + ", ".join(
             f"{k} {latency[k] * 1e6:.0f} us + {busbw[k] / 1e9:.2f} GB/s" for k in COLLECTIVE_KINDS))
-    device = _device_constants(result["device"])
     peaks = {"fp32": max(r for _, r in device["fp32"])}
     if "bf16" in device:
         peaks["bf16"] = max(r for _, r in device["bf16"])
     progress(
         f"per rank ({ranks} at once, 1 thread each): GEMM "
         + ", ".join(f"{d} {v / 1e9:.1f}" for d, v in peaks.items())
-        + f" GFLOP/s peak; copy {device['bandwidth'] / 1e9:.1f} GB/s; exp {device['exp'] / 1e9:.2f} G/s; attention {device['attention'] / 1e9:.1f} GFLOP/s; "
+        + f" GFLOP/s peak; copy {device['bandwidth'] / 1e9:.1f} GB/s, fresh pages "
+        f"{device['fresh_pages'] * 1e9:.2f} ms/MB; exp {device['exp'] / 1e9:.2f} G/s; attention {device['attention'] / 1e9:.1f} GFLOP/s; "
         f"host {device['node_host'] * 1e6:.0f} us per graph node; FSDP2 " + ", ".join(
             f"{m} {u * 1e3:.1f} ms/unit + {b * 1e9:.2f} ms/MB" for m, (u, b) in device["fsdp"].items())
         + f"; op dispatch "
@@ -744,6 +767,8 @@ def profile_from_job(
         memory_bytes=psutil.virtual_memory().total // ranks,
         memory_bandwidth=device["bandwidth"],
         memory_efficiency=1.0,  # the measured copy bandwidth is already the achievable one
+        fresh_page_byte_s=device["fresh_pages"],
+        fresh_alloc_bytes=FRESH_ALLOC_BYTES,
         transcendental_rate=device["exp"],
         attention_efficiency=min(1.0, device["attention"] / peaks["fp32"]),
         node_host_s=device["node_host"],
@@ -755,13 +780,14 @@ def profile_from_job(
         levels=[{"name": "loopback", "devices": None, "busbw": busbw, "latency_s": latency,
                  "groups": groups}],
     )
-    error = statistics.median(_relative_errors(profile, samples))
+    error = statistics.median(_relative_errors(profile, [
+        (k, g, n, t) for g in sizes for k, n, t in result["collectives"][g]]))
     progress(f"collective model: median relative error {error:.0%} over {len(samples)} timings")
     profile = profile.model_copy(update={"source": (
         f"measured by `meshplan calibrate` on {platform.node()} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
-        f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, {COPY_BYTES >> 20} MB copies and exps, causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
+        f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, {COPY_BYTES >> 20} MB copies and exps, {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
         f"AdamW steps on {_OPTIMIZER_TENSORS} tiny DTensor vs plain parameters, "
         f"{256 * ranks} B DTensor redistributions vs raw collectives (thread CPU time x core share), timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
         f"overlap_exposure: {OVERLAP_BYTES >> 20} MB all-reduce / all-gather issued asynchronously beside "
@@ -772,10 +798,16 @@ def profile_from_job(
         f"as training issues them: per repeat (loop of {_iterations(0)} x [chunk, collective] - loop of "
         f"{_iterations(0)} x [chunk]) / {_iterations(0)} ({_iterations(2**30)} from 32 MB), each loop the slowest "
         f"rank's, median of {_REPEATS} interleaved repeats (3 from 32 MB), "
-        f"latency and busbw fitted per group size (groups) and over all sizes (level default); "
+        f"latency and busbw fitted per group size (groups) and over all sizes (level default) "
+        f"to the times less the fresh pages of gloo's staging buffer; "
         f"median relative error of the collective model {error:.0%}"
     )})
     return profile
+
+
+def _staging(kind: str, nbytes: int, byte_s: float) -> float:
+    """comm.staging_time of a calibrated CPU profile, before the profile exists."""
+    return fresh_pages_time(nbytes, byte_s, FRESH_ALLOC_BYTES) if kind in GLOO_STAGED else 0.0
 
 
 def _relative_errors(profile: Profile, samples: Sequence[tuple[str, int, int, float]]) -> list[float]:

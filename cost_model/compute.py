@@ -74,6 +74,13 @@ def op_time(
     return max(compute, memory, host)
 
 
+def fresh_pages_time(nbytes: float, byte_s: float, min_bytes: int | None) -> float:
+    """Seconds a new allocation of ``nbytes`` costs when it gets fresh pages from the OS:
+    ``nbytes * byte_s`` from ``min_bytes`` up (a profile's ``fresh_page_byte_s`` and
+    ``fresh_alloc_bytes``), 0 below, where the allocator reuses memory it holds."""
+    return nbytes * byte_s if min_bytes is not None and nbytes >= min_bytes else 0.0
+
+
 def matmul_flops(m: int, n: int, k: int) -> int:
     """FLOPs of an (m x k) @ (k x n) product: one multiply and one add per term."""
     return 2 * m * n * k

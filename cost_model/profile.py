@@ -143,6 +143,22 @@ class Profile(_Strict):
         "called through torch.distributed, s. On a CPU the rank's only thread pays it; 0: "
         "not measured (a GPU host issues it beside the device's work)",
     )
+    fresh_page_byte_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="host time per byte of an allocation that gets fresh pages from the "
+        "operating system: a page fault, zeroing and mapping per 4 KiB page on first touch, "
+        "unmapping on free, s. On a CPU it costs ~7x writing the same bytes to reused "
+        "memory; 0: not measured (a GPU's caching allocator reuses its blocks)",
+    )
+    fresh_alloc_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        description="allocations at least this large get fresh pages on every call (glibc "
+        "serves them with mmap from its M_MMAP_THRESHOLD, whose dynamic value stops at 32 "
+        "MiB on 64-bit Linux, and unmaps them on free; smaller ones reuse the heap); None: "
+        "no allocation does",
+    )
     attention_efficiency: Fraction | None = Field(
         default=None,
         description="achievable fraction of peak_flops for fused attention "

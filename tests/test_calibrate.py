@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from cost_model.calibrate import calibrate, fit_collectives, fit_group
+from cost_model.calibrate import (
+    FRESH_ALLOC_BYTES,
+    calibrate,
+    fit_collectives,
+    fit_group,
+    profile_from_job,
+)
 from cost_model.comm import bus_factor, collective_time
 from cost_model.profile import COLLECTIVE_KINDS, load_profile
 
@@ -61,6 +67,32 @@ def test_group_fit_recovers_a_latency_per_kind():
         assert got_busbw[k] == pytest.approx(busbw[k], rel=1e-6)
 
 
+def test_fit_excludes_the_staging_pages_comm_adds_back():
+    """Collectives timed with gloo's staging buffer's fresh pages in them (all-gather and
+    reduce-scatter from 32 MiB): the fitted profile gives back latency + bandwidth + those
+    pages exactly; without the subtraction the 64 MiB pages would skew busbw."""
+    latency, busbw, byte_s = 2e-3, {k: (i + 1) * 1e8 for i, k in enumerate(COLLECTIVE_KINDS)}, 1e-9
+    sizes = (2**16, 2**20, 2**23, 2**26)
+
+    def measured(k: str, n: int) -> float:
+        pages = n * byte_s if k in ("all_gather", "reduce_scatter") and n >= FRESH_ALLOC_BYTES else 0.0
+        return latency + n * bus_factor(k, 4) / busbw[k] + pages
+
+    rank = {"floor": 2e-6, "dtensor": 3e-5, "redistribute": 1e-3, "bandwidth": 1e10,
+            "fresh_pages": byte_s, "exp": 5e8, "attention": 1e10, "node_host": 1e-4,
+            "fp32": [(1e6, 2e10), (1e9, 4e10)], "bf16": None,
+            "fsdp": {"replicate": (1e-3, 1e-10), "fully_shard": (2e-3, 2e-10)}}
+    result = {"ranks": 4, "device": [rank] * 4, "overlap": 1.0,
+              "collectives": {4: [(k, n, measured(k, n)) for k in COLLECTIVE_KINDS for n in sizes]}}
+    profile = profile_from_job("synthetic", result, sizes, progress=lambda _: None)
+    assert profile.fresh_page_byte_s == byte_s and profile.fresh_alloc_bytes == FRESH_ALLOC_BYTES
+    (group,) = profile.levels[0].groups
+    for k in COLLECTIVE_KINDS:
+        assert getattr(group.busbw, k) == pytest.approx(busbw[k], rel=1e-6)
+        for n in sizes:
+            assert collective_time(profile, k, n, [4], 0) == pytest.approx(measured(k, n), rel=1e-6)
+
+
 def test_calibrate_argument_errors(tmp_path):
     with pytest.raises(ValueError, match="world_sizes"):
         calibrate(tmp_path / "x.json", world_sizes=(1,))
@@ -84,6 +116,8 @@ def test_calibrate_small_run_writes_a_loadable_profile(tmp_path):
     assert 1e-7 < profile.kernel_floor_s < 1e-3 and profile.dtensor_op_overhead_s < 1e-2
     # a DTensor redistribution's Python around its collective: more than nothing, less than 0.1 s
     assert 0 < profile.dtensor_redistribute_s < 0.1
+    # a fresh 64 MB allocation's pages cost more than nothing, less than 100 ns per byte
+    assert 0 < profile.fresh_page_byte_s < 1e-7 and profile.fresh_alloc_bytes == FRESH_ALLOC_BYTES
     # the 2-process group was measured and is what comm uses for it
     (level,) = profile.levels
     assert [g.size for g in level.groups] == [2]

@@ -359,6 +359,31 @@ def test_dtensor_host_time_per_collective_step(toy):
         partial_grad_time(toy, [2, 4], norms, bucketed=False) + 9 * h)
 
 
+def test_gloo_staging_buffer_pays_fresh_pages_from_the_threshold(toy):
+    """On a CPU profile gloo's all-gather and reduce-scatter allocate a buffer of the whole
+    size per call: from fresh_alloc_bytes up its pages cost fresh_page_byte_s per byte.
+    Other kinds, smaller sizes and GPU profiles pay nothing; DTensor's new output does."""
+    mib, byte_s = 2**20, 1e-9
+    cpu = toy.model_copy(update={"device_type": "cpu", "fresh_page_byte_s": byte_s,
+                                 "fresh_alloc_bytes": 32 * mib})
+    plain = toy.model_copy(update={"device_type": "cpu"})
+    for kind in KINDS:
+        for s in (16 * mib, 32 * mib, 64 * mib):
+            extra = s * byte_s if kind in ("all_gather", "reduce_scatter") and s >= 32 * mib else 0.0
+            assert collective_time(cpu, kind, s, [4], 0) == pytest.approx(
+                collective_time(plain, kind, s, [4], 0) + extra), (kind, s)
+    gpu = cpu.model_copy(update={"device_type": "cuda"})
+    assert collective_time(gpu, "all_gather", 64 * mib, [4], 0) == collective_time(toy, "all_gather", 64 * mib, [4], 0)
+    # a DTensor gather of a 16 MiB shard among 4: gloo's 64 MiB staging buffer and the
+    # 64 MiB tensor the functional collective returns, both fresh
+    shape = [4 * 2**22]  # 64 MiB of fp32
+    assert redistribute_time(cpu, [4], ["S(0)"], ["R"], shape, 4) == pytest.approx(
+        redistribute_time(plain, [4], ["S(0)"], ["R"], shape, 4) + 2 * 64 * mib * byte_s)
+    # its all-reduce clones 64 MiB (fresh) and stages nothing
+    assert redistribute_time(cpu, [4], ["P"], ["R"], shape, 4) == pytest.approx(
+        redistribute_time(plain, [4], ["P"], ["R"], shape, 4) + 64 * mib * byte_s)
+
+
 def test_redistribute_2d_uses_local_sizes(toy):
     # (S(0), P) -> (S(0), R): the all-reduce on dim 1 moves the dim-0 shard only
     got = redistribute_time(toy, [2, 4], ["S(0)", "P"], ["S(0)", "R"], [64, 128], 4)
