@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from cost_model.comm import collective_time
-from cost_model.compute import op_time
+from cost_model.compute import fresh_pages_time, op_time
 from cost_model.profile import Profile
 from cost_model.step import fsdp_host_time
 from planner.tracer import layer_weight
@@ -163,13 +163,28 @@ def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int) -
         fwd, bwd, f_bytes, b_bytes, f_trans, b_trans = _scaled(ctx, d)
         f_bytes, b_bytes = f_bytes * scale, b_bytes * scale
         attention = d["short"] == "scaled_dot_product_attention"
+        fresh = _fresh_pages_s(ctx, d, shards)
         t_f = op_time(ctx.profile, fwd / shards, f_bytes / shards, ctx.dtype, dtensor,
-                      f_trans / shards, attention, host)
+                      f_trans / shards, attention, host) + fresh
         t_b = op_time(ctx.profile, bwd / shards, b_bytes / shards, ctx.dtype, dtensor,
-                      b_trans / shards, attention, host)
+                      b_trans / shards, attention, host) + fresh
         recompute = t_f if ctx.checkpointing == "full" else 0.0
         total += mult * (t_f + t_b + recompute)
     return total * ctx.microbatches
+
+
+def _fresh_pages_s(ctx: Context, node: dict, shards: int) -> float:
+    """Seconds the new tensors of one node cost where they get fresh pages from the OS
+    (CPU profiles, from ``fresh_alloc_bytes`` up: cost_model.compute.fresh_pages_time),
+    each way: the forward allocates the node's output, the backward its gradient (its
+    consumers' backward, as large).  The loss allocates its log-probabilities forward and
+    their zero-filled gradient backward, each as large as the logits."""
+    if node["short"] in VIEW_OPS:
+        return 0.0
+    numel = (math.prod(node["in_shapes"][0]) if node["short"] == "cross_entropy_loss"
+             else node["out_numel"])
+    nbytes = numel * ctx.microbatch * ctx.act_itemsize / shards
+    return fresh_pages_time(nbytes, ctx.profile.fresh_page_byte_s, ctx.profile.fresh_alloc_bytes)
 
 
 def _saved_bytes(ctx: Context, nodes: Sequence[tuple[dict, float]], layers: int) -> float:

@@ -225,3 +225,22 @@ def test_the_loss_runs_on_vocabulary_shards_for_two_all_reduces_per_token():
     assert _solve(ctx, graph, units, unit_of, None).solution.choice[loss.key].name == "H"
     # a pipeline's last stage hands the loss its shard too (executor.pipeline)
     assert _solve(ctx, graph, units, unit_of, None, pp=2).solution.choice[loss.key].name == "H"
+
+
+def test_cpu_tensors_from_the_mmap_threshold_pay_their_fresh_pages():
+    """On a CPU profile a new tensor of fresh_alloc_bytes or more gets fresh pages every
+    step.  llama-tiny with a 32768-token vocabulary at 512 tokens has exactly one such
+    tensor size, the 64 MiB logits: the head's output and its gradient, the loss's
+    log-probabilities and theirs; every other activation is far below the threshold."""
+    from cost_model.profile import load_profile
+    from planner.presets import PRESETS
+
+    config = {**PRESETS["llama-tiny"], "vocab_size": 32768, "max_position_embeddings": 512}
+    cpu = json.loads(load_profile("cpu-gloo-local").model_dump_json())
+    byte_s, logits = 1e-9, 512 * 32768 * 4
+
+    def compute_s(fresh_page_byte_s: float) -> float:
+        profile = {**cpu, "fresh_page_byte_s": fresh_page_byte_s, "fresh_alloc_bytes": 32 * 2**20}
+        return planner.estimate(config, 1, profile, batch_size=1, seq_len=512).time.compute_s
+
+    assert compute_s(byte_s) - compute_s(0.0) == pytest.approx(4 * logits * byte_s)
