@@ -248,7 +248,7 @@ def measure_memory_bandwidth(nbytes: int = COPY_BYTES) -> float:
 def measure_fresh_pages(nbytes: int = FRESH_BYTES) -> float:
     """s per byte that filling a new ``nbytes`` tensor costs over filling a reused one:
     the page faults, zeroing and unmapping of an allocation from ``FRESH_ALLOC_BYTES`` up
-    (4 ranks at once here: ~1.2 ns/B, ~7x the fill itself).  gloo's all-gather and
+    (4 ranks at once here: ~1 ns/B, 0.8-1.4 measured, ~7x the fill itself).  gloo's all-gather and
     reduce-scatter allocate such a buffer per call (cost_model.comm.staging_time)."""
     reused = torch.empty(nbytes // 4)
     fill = _median_time(lambda: reused.fill_(1.0))

@@ -19,10 +19,13 @@ On a CPU profile gloo's all-gather and reduce-scatter also pay ``staging_time``:
 run through a flat buffer of the whole ``S`` that ProcessGroupGloo allocates per call
 (``newLikeFlat``: the all-gather gathers into it and copies out, the reduce-scatter
 reduces a copy of its input), and from the profile's ``fresh_alloc_bytes`` up that
-buffer gets fresh pages every call.  Measured on 4 ranks here: every call of 32-64 MB
-faults in exactly ``S`` bytes, calls of 8-24 MB almost none, all-reduce, all-to-all and
-send/recv none at any size; a 64 MB all-gather then takes ~2x what the latency and
-bandwidth fit of the smaller sizes predicts.
+buffer gets fresh pages every call.  Measured on 4 ranks here: calls of 64 MB fault in
+exactly ``S`` bytes, of 32-40 MB most of it (the model charges all of ``S`` from 32
+MiB), of 8-24 MB almost none; all-reduce, all-to-all and send/recv none at any size; a
+64 MB all-gather then takes ~2x what the latency and bandwidth fit of the smaller sizes
+predicts.  Staging is gloo's (NCCL writes into the caller's buffers); the fresh pages of
+the tensors DTensor itself allocates are charged wherever the profile sets
+``fresh_page_byte_s``.
 
 A group that spans several levels is costed hierarchically, one phase per level,
 innermost first: the phase at level ``l`` runs among the ``k_l`` group members
@@ -158,7 +161,7 @@ def collective_time(
     if nbytes < 0:
         raise ValueError(f"nbytes: must be >= 0, got {nbytes}")
     fixed, transfer = _phases(profile, kind, nbytes, mesh_shape, dim)
-    if nbytes == 0 or transfer == 0:  # nothing to move, or a size-1 group
+    if nbytes == 0 or int(mesh_shape[dim]) == 1:
         return 0.0
     return (fixed if latency else 0.0) + transfer + staging_time(profile, kind, nbytes)
 
@@ -321,26 +324,32 @@ def _step_time(
     n = int(mesh_shape[m])
     if n == 1:  # DTensor skips size-1 dims before looking at the placements
         return 0.0
+
+    def new_tensor(nbytes: float) -> float:  # written once, read once, maybe fresh pages
+        return op_time(profile, 0, 2 * nbytes) + fresh_pages_time(
+            nbytes, profile.fresh_page_byte_s, profile.fresh_alloc_bytes)
+
     kind = step_collective(a, b, profile.device_type)
     if kind is None:  # R -> S(d): chunk + clone of 1/n; R -> P: divide the whole tensor
-        return op_time(profile, 0, 2 * local_bytes / (n if b != "P" else 1))
+        return new_tensor(local_bytes / (n if b != "P" else 1))
     gathered = kind == "all_gather"
     t = collective_time(profile, kind, local_bytes * n if gathered else local_bytes, mesh_shape, m)
     t += profile.dtensor_redistribute_s  # DTensor's own host work around the collective
-    # the functional collective returns a new tensor (the all-reduce's is a clone of its input)
+    # the functional collective returns a new tensor (the all-reduce's is a clone of its
+    # input), written by the collective itself: only its pages can cost beyond the transfer
     out = local_bytes * n if gathered else local_bytes / n if kind == "reduce_scatter" else local_bytes
     t += fresh_pages_time(out, profile.fresh_page_byte_s, profile.fresh_alloc_bytes)
     if gathered and b != "R":  # the CPU all-to-all fallback then keeps one chunk
-        t += op_time(profile, 0, 2 * local_bytes)
+        t += new_tensor(local_bytes)
     # collectives move dim 0: DTensor gathers a shard of another dim along dim 0 and
     # concatenates the chunks along its own (a copy of the gathered tensor), and lays a
     # Partial tensor's chunks of another dim out along dim 0 before reduce-scattering it
     # (a copy of the input); measured on a TP rank: 8 ms of cat and 7 ms of copies per
     # step around the vocabulary-sharded logits' gather alone
     if gathered and _shard_dim(a) not in (0, None):
-        t += op_time(profile, 0, 2 * local_bytes * n)
+        t += new_tensor(local_bytes * n)
     elif kind == "reduce_scatter" and _shard_dim(b) not in (0, None):
-        t += op_time(profile, 0, 2 * local_bytes)
+        t += new_tensor(local_bytes)
     return t
 
 

@@ -149,9 +149,12 @@ def _scaled(ctx: Context, node: dict) -> tuple[float, ...]:
                                        "fwd_trans", "bwd_trans"))
 
 
-def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int) -> float:
+def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int,
+               out_shards: int | None = None) -> float:
     """Per-device seconds per step for (node, multiplicity) split ``shards`` ways,
-    forward + backward (+ recompute under full checkpointing)."""
+    forward + backward (+ recompute under full checkpointing); the outputs are split
+    ``out_shards`` ways (default ``shards``; a row-parallel product's Partial output is
+    whole on every rank)."""
     total = 0.0
     scale = ctx.act_itemsize / 4  # traced in fp32
     # the executor runs activations as DTensors on the model (non-dp) mesh dims
@@ -163,28 +166,33 @@ def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int) -
         fwd, bwd, f_bytes, b_bytes, f_trans, b_trans = _scaled(ctx, d)
         f_bytes, b_bytes = f_bytes * scale, b_bytes * scale
         attention = d["short"] == "scaled_dot_product_attention"
-        fresh = _fresh_pages_s(ctx, d, shards)
+        fresh_f, fresh_b = _fresh_pages_s(ctx, d, shards if out_shards is None else out_shards)
         t_f = op_time(ctx.profile, fwd / shards, f_bytes / shards, ctx.dtype, dtensor,
-                      f_trans / shards, attention, host) + fresh
+                      f_trans / shards, attention, host) + fresh_f
         t_b = op_time(ctx.profile, bwd / shards, b_bytes / shards, ctx.dtype, dtensor,
-                      b_trans / shards, attention, host) + fresh
+                      b_trans / shards, attention, host) + fresh_b
         recompute = t_f if ctx.checkpointing == "full" else 0.0
         total += mult * (t_f + t_b + recompute)
     return total * ctx.microbatches
 
 
-def _fresh_pages_s(ctx: Context, node: dict, shards: int) -> float:
-    """Seconds the new tensors of one node cost where they get fresh pages from the OS
-    (CPU profiles, from ``fresh_alloc_bytes`` up: cost_model.compute.fresh_pages_time),
-    each way: the forward allocates the node's output, the backward its gradient (its
-    consumers' backward, as large).  The loss allocates its log-probabilities forward and
-    their zero-filled gradient backward, each as large as the logits."""
+def _fresh_pages_s(ctx: Context, node: dict, out_shards: int) -> tuple[float, float]:
+    """(forward, backward) seconds the new tensors of one node cost where they get fresh
+    pages from the OS (from the profile's ``fresh_alloc_bytes`` up, a CPU's allocator:
+    cost_model.compute.fresh_pages_time): the forward allocates the node's output, split
+    ``out_shards`` ways, the backward a float output's gradient (its consumers' backward,
+    as large).  The loss allocates its log-probabilities forward and their zero-filled
+    gradient backward, each as large as the logits in fp32 (Hugging Face upcasts them)."""
     if node["short"] in VIEW_OPS:
-        return 0.0
-    numel = (math.prod(node["in_shapes"][0]) if node["short"] == "cross_entropy_loss"
-             else node["out_numel"])
-    nbytes = numel * ctx.microbatch * ctx.act_itemsize / shards
-    return fresh_pages_time(nbytes, ctx.profile.fresh_page_byte_s, ctx.profile.fresh_alloc_bytes)
+        return 0.0, 0.0
+    if node["short"] in LOSS_OPS:
+        numel, itemsize, grad = math.prod(node["in_shapes"][0]), 4, True
+    else:
+        grad = node["dtype"].startswith("torch.float")
+        numel, itemsize = node["out_numel"], ctx.act_itemsize if grad else node["itemsize"]
+    t = fresh_pages_time(numel * ctx.microbatch * itemsize / out_shards,
+                         ctx.profile.fresh_page_byte_s, ctx.profile.fresh_alloc_bytes)
+    return t, t if grad else 0.0
 
 
 def _saved_bytes(ctx: Context, nodes: Sequence[tuple[dict, float]], layers: int) -> float:
@@ -331,8 +339,8 @@ def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float) -> l
             work = _shards(ctx, outl)
         name = "+".join(kinds[i] for i in ctx.free_dims) or "data"
         act = _saved_bytes(ctx, [(d, mult)], layers) / max(_shards(ctx, outl), 1)
-        out.append(Choice(name, outl, inp, _compute_s(ctx, [(d, mult)], work), weights, state,
-                          act, sync, gather))
+        out.append(Choice(name, outl, inp, _compute_s(ctx, [(d, mult)], work, _shards(ctx, outl)),
+                          weights, state, act, sync, gather))
     return out
 
 

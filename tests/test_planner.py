@@ -244,3 +244,30 @@ def test_cpu_tensors_from_the_mmap_threshold_pay_their_fresh_pages():
         return planner.estimate(config, 1, profile, batch_size=1, seq_len=512).time.compute_s
 
     assert compute_s(byte_s) - compute_s(0.0) == pytest.approx(4 * logits * byte_s)
+
+
+def test_a_row_parallel_product_pays_the_fresh_pages_of_its_whole_partial_output():
+    """Tensor parallel on 2 ranks, llama-tiny's down projection at 768 x 512 tokens: its
+    output (hidden 32, fp32) is 48 MiB whole, 24 MiB per rank when sharded.  Row-parallel
+    it is Partial, whole on each rank: 48 MiB of fresh pages forward and backward, per layer.
+    Column-parallel (input whole, output halved) it stays under the 32 MiB threshold."""
+    from cost_model.profile import load_profile
+    from planner.presets import PRESETS
+    from planner.search import _context
+    from planner.strategies import build_units
+    from planner.tracer import trace
+
+    batch, seq, byte_s = 768, 512, 1e-9
+    graph = trace({**PRESETS["llama-tiny"], "max_position_embeddings": seq}, 1, seq)
+    cpu = load_profile("cpu-gloo-local").model_copy(update={"fresh_alloc_bytes": 32 * 2**20})
+
+    def down_proj(fresh_page_byte_s: float) -> dict[str, float]:
+        profile = cpu.model_copy(update={"fresh_page_byte_s": fresh_page_byte_s})
+        units, _ = build_units(_context(profile, ("tp",), (2,), batch, seq, 1, False, "none", 2), graph)
+        (unit,) = [u for u in units.values() if u.module.endswith("layers.0.mlp.down_proj")]
+        return {c.name: c.compute_s for c in unit.choices}
+
+    on, off = down_proj(byte_s), down_proj(0.0)
+    layers = graph.graph["layers"]
+    assert on["row"] - off["row"] == pytest.approx(2 * layers * batch * seq * 32 * 4 * byte_s)
+    assert on["col"] == off["col"]
