@@ -19,6 +19,13 @@ bench runs exactly the plans the executor tests check for single-device equality
 Each layout is predicted by ``planner.estimate`` with the same profile: the planner's
 own cost function with the placements pinned.  Nothing here adjusts a constant.
 
+Besides the strict ranking, the table lists each pair the prediction orders against the
+measured medians, with the rounds in which the measured order held: the layouts' steps
+take turns, so round ``r`` of each saw the same load, and a two-sided sign test over the
+rounds says whether the measurement separates the two at all (with 6 rounds only a
+unanimous order does).  A swap of two layouts the rounds do not separate is a swap
+within the measurement's own noise; the strict ranking is printed as well.
+
 For diagnosis, each layout also records forward / backward / optimizer time, the CPU
 seconds all ranks spend per step (``CPU s``, gloo's threads included) and the share of the
 machine's cores that keeps busy (``busy``: with 4 single-thread ranks on 2 cores a step is
@@ -37,6 +44,7 @@ alone's, so a rank that blocks pays its rescheduling as in a training step.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -264,6 +272,31 @@ def _spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * d2 / (n * (n * n - 1))
 
 
+def _separated(a: list[float], b: list[float], alpha: float = 0.05) -> tuple[int, bool]:
+    """(rounds in which ``a``'s step was faster than ``b``'s, whether the rounds order the
+    two at all: a two-sided sign test at ``alpha``).  The layouts' steps take turns, so
+    round ``r`` of each saw the same load: the rounds pair them.  With 6 rounds only a
+    unanimous order passes (p = 2/64); 5 of 6 is p = 0.22."""
+    n, k = len(a), sum(x < y for x, y in zip(a, b, strict=True))
+    tail = sum(math.comb(n, i) for i in range(max(k, n - k), n + 1)) / 2**n
+    return k, 2 * tail < alpha
+
+
+def _discordant(names: list[str], steps: list[list[float]], measured: list[float],
+                predicted: list[float]) -> list[tuple[str, bool]]:
+    """(description, separated by the rounds) of each pair the prediction orders against
+    the measured medians."""
+    out = []
+    for i in range(len(names)):
+        for j in range(len(names)):
+            if measured[i] < measured[j] and predicted[i] > predicted[j]:
+                k, sep = _separated(steps[i], steps[j])
+                out.append((f"{names[i]} < {names[j]} measured ({measured[j] / measured[i] - 1:.0%} "
+                            f"apart, faster in {k} of {len(steps[i])} rounds), predicted the other "
+                            f"way", sep))
+    return out
+
+
 def _load() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
@@ -275,12 +308,13 @@ def _step_table(results: list[dict], profile: dict) -> None:
           f"{'fwd':>6}{'bwd':>6}{'opt':>6}{'CPU s':>7}{'busy':>6} | {'pred compute':>12}{'exp comm':>9}"
           f"{'opt':>7}   collectives/step")
     cores = os.cpu_count() or 1
-    measured, fastest, predicted = [], [], []
+    measured, fastest, predicted, per_round = [], [], [], []
     for layout in LAYOUTS:
         steps = _slowest_rank([r["times"][layout.name] for r in results])
         fwd, bwd, opt, step, cpu = _medians(steps)
         t = layout.estimate(profile).time
         measured.append(step)
+        per_round.append([s[3] for s in steps])
         fastest.append(min(s[3] for s in steps))
         predicted.append(t.step_time_s)
         colls = ", ".join(f"{k} {v}" for k, v in sorted(results[0]["collectives"][layout.name].items()))
@@ -296,6 +330,10 @@ def _step_table(results: list[dict], profile: dict) -> None:
           f"identical ranking: {same}")
     print("  measured order : " + " < ".join(names[i] for i in _rank_order(measured)))
     print("  predicted order: " + " < ".join(names[i] for i in _rank_order(predicted)))
+    swapped = _discordant(names, per_round, measured, predicted)
+    for text, sep in swapped:
+        print(f"  {text}: {'separated' if sep else 'not separated'} by the rounds (sign test, 5%)")
+    print(f"  identical ranking up to pairs the rounds do not separate: {not any(sep for _, sep in swapped)}")
 
     fwd, bwd, opt, step, _ = _medians(_slowest_rank([r["times"][LOCAL] for r in results]))
     # the same plain model on one device (no FSDP2, no DTensor), under the ranks' profile
