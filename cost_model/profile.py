@@ -156,8 +156,8 @@ class Profile(_Strict):
         gt=0,
         description="allocations at least this large get fresh pages on every call (glibc "
         "serves them with mmap from its M_MMAP_THRESHOLD, whose dynamic value stops at 32 "
-        "MiB on 64-bit Linux, and unmaps them on free; smaller ones reuse the heap); None: "
-        "no allocation does",
+        "MiB on 64-bit Linux, and unmaps them on free; smaller ones reuse the heap, unless "
+        "glibc has trimmed it meanwhile, which is not modelled); None: no allocation does",
     )
     attention_efficiency: Fraction | None = Field(
         default=None,
