@@ -29,6 +29,7 @@ class Part:
     """Per-micro-batch costs and per-device bytes of one slice of the model."""
 
     compute_s: float = 0.0
+    recompute_s: float = 0.0  # the part of compute_s that activation checkpointing recomputes
     blocking_s: float = 0.0
     gather_s: float = 0.0
     grad_sync_s: float = 0.0  # per step
@@ -115,7 +116,7 @@ def split_parts(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: So
             where = "layer" if d.get("layer") is not None else ("first" if n in first_nodes else "last")
             w[where] += proxy
         total = sum(w.values())
-        part = Part(choice.compute_s / m, (sum(reshard_by_unit.get(n, 0.0) for n in u.nodes) + choice.comm_s) / m,
+        part = Part(choice.compute_s / m, choice.recompute_s / m, (sum(reshard_by_unit.get(n, 0.0) for n in u.nodes) + choice.comm_s) / m,
                     choice.gather_s / m, choice.grad_sync_s, sum(choice.state), choice.act_bytes)
         per_layer = per_layer + part * (w["layer"] / total / layers)
         first = first + part * (w["first"] / total)
@@ -129,7 +130,7 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
     part = layer * n + (first if index == 0 else Part()) + (last if index == pp - 1 else Part())
     per = state_bytes_per_param(ctx.optimizer)
     compute = part.compute_s + fsdp_host_s(ctx, n + 1, part.state_bytes * per.weights / per.total) / ctx.microbatches
-    fwd = compute / (4 if ctx.checkpointing == "full" else 3)
+    fwd = (compute - part.recompute_s) / 3  # backward = 2x forward, plus the recompute
     # per micro-batch, one FSDP2 unit per layer plus the stage's root (cost_model.step.bucket_latency)
     gather_lat, reduce_lat = bucket_latency(
         ctx.profile, ctx.mesh_shape, [i for i, d in enumerate(ctx.mesh_names) if d == "dp"],

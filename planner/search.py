@@ -3,7 +3,8 @@
 For each factorisation of the device count into ``dp x tp`` (tp a power of two that
 stays inside a node, so tensor-parallel traffic rides the fastest level), each
 data-parallel mode (replicate / fully sharded) and, only when memory demands it,
-full activation checkpointing and more micro-batches, the ILP picks every
+more micro-batches, or selective or full activation checkpointing (both tried: keeping
+the matmuls can force slower placements than recomputing all), the ILP picks every
 placement; :func:`evaluate` composes the solution into a step time with
 ``cost_model.step`` (FSDP prefetch and gradient-reduction overlap) and the best
 fitting candidate becomes the plan.  Every candidate is recorded as an
@@ -165,7 +166,8 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     gather = sum(c.gather_s for c in chosen) + gather_lat
     state = [sum(c.state[i] for c in chosen) for i in range(3)]
     compute += fsdp_host_s(ctx, graph.graph["layers"] + 1, state[0])
-    fwd = compute / (4 if ctx.checkpointing == "full" else 3)  # backward = 2x forward (+ recompute)
+    # backward = 2x forward, plus what checkpointing recomputes
+    fwd = (compute - sum(c.recompute_s for c in chosen)) / 3
     stage = StageCost(
         forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m,
         blocking_comm_s=(sol.reshard_s + sum(c.comm_s for c in chosen)) / m + loss_mean_s(ctx)
@@ -269,7 +271,7 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
         fsdp_modes = [fixed["fsdp"]] if fixed else ([False, True] if dp > 1 else [False])
         schedules = fixed["schedules"] if fixed else SCHEDULES
         for fsdp in fsdp_modes:
-            ckpts = [fixed["checkpointing"]] if fixed else ["none", "full"]
+            ckpts = [fixed["checkpointing"]] if fixed else ["none", "selective", "full"]
             micro = [fixed["microbatches"]] if fixed else [
                 m for m in (1, 2, 4, 8, 16, 32, 64, 128) if (batch // dp) % m == 0 and m >= pp]
             if pp > 1 and not fixed:
@@ -297,8 +299,8 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                         found = cand
                     if pp == 1:
                         break  # more micro-batches only cost time without a pipeline
-                if found:
-                    break
+                if found and ckpt == "none":
+                    break  # nothing recomputed: checkpointing cannot be faster
             label = f"{'x'.join(f'{k}={v}' for k, v in mesh_d.items())} {'fsdp' if fsdp else 'replicate'}"
             if not found:
                 alternatives.append(Alternative(mesh=mesh_d, step_time_s=None, fits=False,
@@ -523,8 +525,6 @@ def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 
         raise PlanningError(f"microbatches: {microbatches} < pp={pp} leaves pipeline stages idle")
     if checkpointing not in ("none", "selective", "full"):
         raise PlanningError(f"checkpointing: expected none, selective or full, got {checkpointing!r}")
-    if checkpointing == "selective":
-        raise PlanningError("checkpointing: selective is not modelled by the graph cost yet; use none or full")
     if dp * tp * pp != devices:
         raise PlanningError(f"devices: dp*tp*pp = {dp * tp * pp}, but devices={devices}")
     if microbatches < 1:

@@ -53,6 +53,10 @@ LOSS_OPS = {"cross_entropy_loss"}
 VIEW_OPS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze",
             "expand", "slice", "select", "alias", "t", "split", "chunk", "unbind", "getitem",
             "contiguous", "clone", "_assert_tensor_metadata", "to", "detach"}
+# What selective activation checkpointing keeps of a layer (executor.apply's policy, at
+# aten level mm / addmm / bmm and the attention kernels): the other ops are recomputed.
+SAVED_BY_SELECTIVE = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm",
+                      "scaled_dot_product_attention", "grouped_mm_fallback"}
 LAYOUTS = ("R", "B", "Q", "H", "P")
 ANCHOR_KINDS = ("data", "seq", "col", "row", "rep")
 
@@ -90,6 +94,7 @@ class Choice:
     out: tuple[str, ...]  # semantic layout of the output, per mesh dim
     inp: tuple[str, ...]  # semantic layout required of activation inputs
     compute_s: float  # forward + backward (+ recompute) seconds per step
+    recompute_s: float = 0.0  # the part of compute_s that activation checkpointing recomputes
     weights: dict[str, tuple[str, ...]] = field(default_factory=dict)  # param -> placements
     state: tuple[float, float, float] = (0.0, 0.0, 0.0)  # weight, grad, optimizer bytes per device
     act_bytes: float = 0.0  # activations kept for backward, per device
@@ -150,12 +155,12 @@ def _scaled(ctx: Context, node: dict) -> tuple[float, ...]:
 
 
 def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int,
-               out_shards: int | None = None) -> float:
-    """Per-device seconds per step for (node, multiplicity) split ``shards`` ways,
-    forward + backward (+ recompute under full checkpointing); the outputs are split
-    ``out_shards`` ways (default ``shards``; a row-parallel product's Partial output is
-    whole on every rank)."""
-    total = 0.0
+               out_shards: int | None = None) -> tuple[float, float]:
+    """Per-device seconds per step for (node, multiplicity) split ``shards`` ways: forward
+    + backward + recompute, and the recompute alone; the outputs are split ``out_shards``
+    ways (default ``shards``; a row-parallel product's Partial output is whole on every
+    rank)."""
+    total = recomputed = 0.0
     scale = ctx.act_itemsize / 4  # traced in fp32
     # the executor runs activations as DTensors on the model (non-dp) mesh dims
     dtensor = any(ctx.mesh_shape[i] > 1 for i in ctx.free_dims)
@@ -171,9 +176,19 @@ def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int,
                       f_trans / shards, attention, host) + fresh_f
         t_b = op_time(ctx.profile, bwd / shards, b_bytes / shards, ctx.dtype, dtensor,
                       b_trans / shards, attention, host) + fresh_b
-        recompute = t_f if ctx.checkpointing == "full" else 0.0
+        recompute = t_f if _recomputed(ctx, d) else 0.0
         total += mult * (t_f + t_b + recompute)
-    return total * ctx.microbatches
+        recomputed += mult * recompute
+    return total * ctx.microbatches, recomputed * ctx.microbatches
+
+
+def _recomputed(ctx: Context, node: dict) -> bool:
+    """Whether backward runs ``node``'s forward again: the executor checkpoints the
+    repeated layers only, all of each (``full``) or all but its matmuls and attention
+    (``selective``)."""
+    if node["layer"] is None or ctx.checkpointing == "none":
+        return False
+    return ctx.checkpointing == "full" or node["short"] not in SAVED_BY_SELECTIVE
 
 
 def _fresh_pages_s(ctx: Context, node: dict, out_shards: int) -> tuple[float, float]:
@@ -199,18 +214,26 @@ def _saved_bytes(ctx: Context, nodes: Sequence[tuple[dict, float]], layers: int)
     """Activation bytes (node, multiplicity) keep for backward, one micro-batch, unsharded.
 
     A tensor is kept when a consumer's backward needs it (``saved``, set by the
-    tracer from autograd's rules); views alias their input.  Under full
-    checkpointing a layer keeps only its input (``ckpt_numel``, recorded on the
-    layer's node that first consumes it) and one layer's activations exist at a
-    time, during its recomputation.
+    tracer from autograd's rules); views alias their input; the loss keeps its
+    log-probabilities, which the trace does not show.  A checkpointed layer keeps
+    its inputs (``ckpt_numel``: see planner.tracer.trace) and,
+    under ``selective``, every matmul and attention output whether backward needs it or
+    not (torch's selective checkpointing caches what the policy saves); what it
+    recomputes exists for one layer at a time, during that layer's recomputation.
     """
     total = 0.0
     per_seq = ctx.microbatch * ctx.act_itemsize
     for d, mult in nodes:
-        if ctx.checkpointing == "full":
+        if ctx.checkpointing != "none":
             total += mult * d.get("ckpt_numel", 0) * per_seq
-            if d["layer"] is not None:
-                mult = mult / layers
+        if ctx.checkpointing != "none" and d["layer"] is not None:
+            if ctx.checkpointing == "selective" and d["short"] in SAVED_BY_SELECTIVE:
+                total += mult * d["out_numel"] * per_seq
+                continue
+            mult = mult / layers
+        if d["short"] in LOSS_OPS:  # its log-probabilities, fp32 (Hugging Face upcasts the logits)
+            total += mult * math.prod(d["in_shapes"][0]) * ctx.microbatch * 4
+            continue
         if d["short"] in VIEW_OPS or not d.get("saved"):
             continue
         total += mult * d["out_numel"] * per_seq
@@ -339,8 +362,8 @@ def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float) -> l
             work = _shards(ctx, outl)
         name = "+".join(kinds[i] for i in ctx.free_dims) or "data"
         act = _saved_bytes(ctx, [(d, mult)], layers) / max(_shards(ctx, outl), 1)
-        out.append(Choice(name, outl, inp, _compute_s(ctx, [(d, mult)], work, _shards(ctx, outl)),
-                          weights, state, act, sync, gather))
+        compute, recompute = _compute_s(ctx, [(d, mult)], work, _shards(ctx, outl))
+        out.append(Choice(name, outl, inp, compute, recompute, weights, state, act, sync, gather))
     return out
 
 
@@ -365,7 +388,8 @@ def segment_choices(ctx: Context, graph: nx.DiGraph, nodes: Sequence[str]) -> li
         shards = _shards(ctx, layout)
         name = "+".join(per_dim[i] for i in ctx.free_dims) or "B"
         comm = _vocab_parallel_loss_s(ctx, layout) if shorts & LOSS_OPS else 0.0
-        out.append(Choice(name, layout, layout, _compute_s(ctx, data, shards),
+        compute, recompute = _compute_s(ctx, data, shards)
+        out.append(Choice(name, layout, layout, compute, recompute,
                           act_bytes=_saved_bytes(ctx, data, layers) / shards, comm_s=comm))
     return out
 

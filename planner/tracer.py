@@ -320,8 +320,11 @@ def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_s
         param_shapes={n: tuple(p.shape) for n, p in full.named_parameters()},
         dtype=str(next(full.parameters()).dtype),
     )
-    # Under full activation checkpointing a layer keeps only its input: record its
-    # size on the layer's first consumer of it, so it counts once per real layer.
+    # A checkpointed layer keeps its inputs.  One made by another layer (the residual
+    # stream) is recorded on the layer's first consumer of it, so it counts once per real
+    # layer; one made outside the layers (the embedding output, rotary cos / sin, the
+    # attention mask) is one tensor every layer's checkpoint shares: recorded on its
+    # producer, once, unless backward keeps it anyway (``saved``).
     seen: set[tuple[str, int]] = set()
     for u, v in graph.edges:
         lv = graph.nodes[v].get("layer")
@@ -329,6 +332,10 @@ def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_s
         if lv is None or du.get("layer") == lv or du["kind"] != "call_function" or (u, lv) in seen:
             continue
         seen.add((u, lv))
+        if du.get("layer") is None:
+            if not du.get("saved"):
+                du["ckpt_numel"] = du["out_numel"]
+            continue
         graph.nodes[v]["ckpt_numel"] = graph.nodes[v].get("ckpt_numel", 0) + du["out_numel"]
     return graph
 
