@@ -12,7 +12,8 @@ Formulation (units and choices from ``planner.strategies``):
                         x[v,c] <= p[t, in_layout(v,c), D(c)]
     minimise  sum x[u,c] (compute + collectives inside c (the vocab-parallel loss's)
                           + gradient sync + FSDP gathers + optimizer step)
-            + sum w[t,s,l] * reshard(t, s -> l)             (forward + backward)
+            + sum w[t,s,l] * reshard(t, s -> l)             (forward + backward, + the
+                        forward again where a checkpointed layer recomputes t)
             + sum w'[t,s,l,D] * partial_grad(t, s -> l, D)   (the backward's reduction;
                         w' linearises x[producer, s] AND p[t,l,D] like w)
     s.t.      sum x[u,c] (weights + grads + optimizer + in-flight activations)
@@ -71,6 +72,7 @@ class Tensor:
     itemsize: int
     weight: float  # real tensors this canonical one stands for
     consumers: set[str] = field(default_factory=set)  # unit keys
+    rerun: bool = False  # a checkpointed layer's recomputation redistributes it again
 
 
 def tensors(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dict[str, str],
@@ -91,13 +93,16 @@ def tensors(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: di
             t = out[key] = Tensor(key, unit_of[u], shape, ctx.act_itemsize, 0.0)
         if u not in counted:
             t.weight += layer_weight(graph, u)
+            t.rerun = t.rerun or d.get("rerun", False)
             counted.add(u)
         t.consumers.add(unit_of[v])
     return out
 
 
 def reshard_s(ctx: Context, t: Tensor, src: tuple[str, ...], dst: tuple[str, ...]) -> float:
-    """Seconds per step to move ``t`` from semantic layout ``src`` to ``dst``, fwd + bwd."""
+    """Seconds per step to move ``t`` from semantic layout ``src`` to ``dst``, fwd + bwd,
+    and the forward again where activation checkpointing recomputes it (the executor's
+    module hooks inside a checkpointed layer run again)."""
     if src == dst:
         return 0.0
     s = [concrete(x, t.shape, ctx.seq_len) for x in src]
@@ -108,7 +113,8 @@ def reshard_s(ctx: Context, t: Tensor, src: tuple[str, ...], dst: tuple[str, ...
         cost = redistribute_cost(ctx.profile, ctx.mesh_shape, s, d, t.shape, t.itemsize)
     except ValueError:  # a transition DTensor cannot perform (e.g. S -> P)
         return math.inf
-    return cost.total_s * ctx.microbatches
+    again = cost.forward_s if t.rerun and ctx.checkpointing != "none" else 0.0
+    return (cost.total_s + again) * ctx.microbatches
 
 
 def partial_dims(ctx: Context, unit: Unit, c: Choice) -> tuple[int, ...]:

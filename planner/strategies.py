@@ -184,9 +184,10 @@ def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int,
 
 def _recomputed(ctx: Context, node: dict) -> bool:
     """Whether backward runs ``node``'s forward again: the executor checkpoints the
-    repeated layers only, all of each (``full``) or all but its matmuls and attention
-    (``selective``)."""
-    if node["layer"] is None or ctx.checkpointing == "none":
+    repeated layers only, and recomputes what the layer's backward needs (``rerun``,
+    planner.tracer): all of it (``full``) or all but the matmuls and attention, whose
+    outputs are kept (``selective``)."""
+    if not node["rerun"] or ctx.checkpointing == "none":
         return False
     return ctx.checkpointing == "full" or node["short"] not in SAVED_BY_SELECTIVE
 

@@ -245,6 +245,7 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
                 nb = sum(_nbytes(t) for t in _tensors(val))
                 graph.add_edge(a.name, node.name, bytes=nb)
     _mark_saved(graph)
+    _mark_rerun(graph)
     return graph
 
 
@@ -264,6 +265,20 @@ def _mark_saved(graph: nx.DiGraph) -> None:
         graph.nodes[n]["saved"] = any(
             c.get("short") in _SAVES_INPUTS or (c.get("short") in _VIEW_OPS and c["saved"])
             for c in succ)
+
+
+def _mark_rerun(graph: nx.DiGraph) -> None:
+    """``rerun``: a checkpointed layer's recomputation produces this value again.  torch's
+    non-reentrant checkpoint stops once it has rebuilt every tensor the layer's backward
+    needs, so that is a value an op of the same layer needs for its backward, or one
+    feeding an op that reruns (a layer's last ops, whose outputs only the next layer
+    reads, do not; nor do their input redistributions)."""
+    for n in reversed(list(nx.topological_sort(graph))):
+        d = graph.nodes[n]
+        layer = d.get("layer")
+        d["rerun"] = layer is not None and any(
+            c.get("layer") == layer and (c.get("short") in _SAVES_INPUTS or c["rerun"])
+            for c in (graph.nodes[v] for v in graph.successors(n)))
 
 
 def _aliases(model: nn.Module) -> dict[str, str]:

@@ -7,6 +7,7 @@ with the same training loop run here with a 1-device plan and no process group.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import executor
 import planner
@@ -348,7 +350,7 @@ def test_single_device_plan_without_process_group_is_the_plain_model() -> None:
 # -- collectives the plan implies, and no more -----------------------------------------
 
 @contextmanager
-def tp2_on_fake_group(sp: bool) -> Iterator[nn.Module]:
+def tp2_on_fake_group(sp: bool, checkpointing: str = "none") -> Iterator[nn.Module]:
     """Rank 0 of a tp=2 tiny Llama in one process, on torch's fake process group (where
     collectives cost nothing and CommDebugMode still counts them)."""
     torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
@@ -356,7 +358,7 @@ def tp2_on_fake_group(sp: bool) -> Iterator[nn.Module]:
         case = Case("llama", {"tp": 2}, sp=sp)
         executor.rng.manual_seed(SEED)
         model = build(case)
-        yield executor.apply(make_plan(model, case.mesh, sp=sp), model)
+        yield executor.apply(make_plan(model, case.mesh, sp=sp, checkpointing=checkpointing), model)
     finally:
         torch.distributed.destroy_process_group()
         executor.rng.deactivate()
@@ -384,6 +386,42 @@ def test_sequence_parallel_rowwise_outputs_are_reduce_scattered(learned: bool) -
     assert forward == {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers}
     # the vocab-sharded logits are gathered when the loop reads them, once
     assert read == {**forward, "all_gather_into_tensor": 2 * layers + 2}
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts functional collectives by name (CommDebugMode's module tracker does not
+    follow a checkpoint's recomputation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace == "_c10d_functional" and not func.__name__.startswith(
+                ("wait_tensor", "_wrap_tensor_autograd")):
+            self.counts[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("checkpointing", ["selective", "full"])
+def test_recomputation_reissues_the_collectives_the_planner_charges(checkpointing: str) -> None:
+    """A checkpointed layer's recomputation runs its module hooks again, as far as its
+    backward needs: per sequence-parallel layer, the gathers before attention and MLP
+    and the reduce-scatter after o_proj, not the one after down_proj (only the next
+    layer reads it).  planner.tracer marks exactly those (``rerun``; the planner's
+    side: tests/test_planner.py::test_checkpointing_charges_the_redistributions_it_reissues)."""
+    layers = PRESETS["llama-tiny"]["num_hidden_layers"]
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    backward = {}
+    for mode in ("none", checkpointing):
+        with tp2_on_fake_group(sp=True, checkpointing=mode) as model:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # blocks learn
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            with _Collectives() as comm:
+                loss.backward()
+            backward[mode] = comm.counts
+    assert backward[checkpointing] - backward["none"] == {
+        "all_gather_into_tensor": 2 * layers, "reduce_scatter_tensor": layers}
 
 
 def test_loss_on_vocabulary_shards_gathers_no_logits() -> None:
