@@ -90,7 +90,8 @@ def tensors(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: di
         t = out.get(key)
         if t is None:
             shape = (d["shape"][0] * ctx.microbatch,) + tuple(d["shape"][1:]) if d["shape"] else ()
-            t = out[key] = Tensor(key, unit_of[u], shape, ctx.act_itemsize, 0.0)
+            itemsize = max(1, round(d["itemsize"] * ctx.bytes_scale))
+            t = out[key] = Tensor(key, unit_of[u], shape, itemsize, 0.0)
         if u not in counted:
             t.weight += layer_weight(graph, u)
             t.rerun = t.rerun or d.get("rerun", False)

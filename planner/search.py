@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
+import torch
 
 from cost_model.compute import peak_flops
 from cost_model.memory import state_bytes_per_param, usable_bytes
@@ -100,14 +101,15 @@ def _feature_divisor(graph: nx.DiGraph, config: Any) -> int:
 
 
 def _context(profile: Profile, names: Sequence[str], shape: Sequence[int], batch: int, seq: int,
-             microbatches: int, fsdp: bool, checkpointing: str, divisor: int) -> Context:
+             microbatches: int, fsdp: bool, checkpointing: str, divisor: int,
+             trace_itemsize: int = 4) -> Context:
     cpu = profile.device_type == "cpu"
     return Context(
         mesh_names=tuple(names), mesh_shape=tuple(shape), profile=profile, batch_size=batch,
         seq_len=seq, microbatches=microbatches, dtype="fp32" if cpu else "bf16",
         act_itemsize=4 if cpu else 2, optimizer="adam-fp32" if cpu else "adam-mixed",
         fsdp=frozenset({"dp"}) if fsdp else frozenset(), checkpointing=checkpointing,
-        feature_divisor=divisor,
+        feature_divisor=divisor, trace_itemsize=trace_itemsize,
     )
 
 
@@ -279,7 +281,8 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
             found = None
             for ckpt in ckpts:
                 for m in micro:
-                    ctx = _context(profile, sub_names, sub_shape, batch, seq, m, fsdp, ckpt, divisor)
+                    ctx = _context(profile, sub_names, sub_shape, batch, seq, m, fsdp, ckpt, divisor,
+                                   graph.graph.get("itemsize", 4))
                     left = deadline - time.perf_counter() if deadline else None
                     if left is not None and left <= 0 and best is not None:
                         break
@@ -416,17 +419,18 @@ def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
     batch, seq_len = default_shape(config if config is not None else model, devices, batch_size, seq_len)
     if batch < 1:
         raise PlanningError(f"batch_size: must be positive, got {batch}")
-    graph = _trace_preset(model, seq_len) if isinstance(model, str) else trace(
-        config if config is not None else model, 1, seq_len)
+    dtype = torch.float32 if prof.device_type == "cpu" else torch.bfloat16  # _context's training dtype
+    graph = _trace_preset(model, seq_len, dtype) if isinstance(model, str) else trace(
+        config if config is not None else model, 1, seq_len, dtype)
     return graph, prof, batch, seq_len, config
 
 
 @functools.lru_cache(maxsize=8)
-def _trace_preset(model: str, seq_len: int) -> nx.DiGraph:
+def _trace_preset(model: str, seq_len: int, dtype: torch.dtype) -> nx.DiGraph:
     """Graphs of named models are reused: a plan and the estimates that check it, or a
     service worker answering many requests, trace each (model, seq_len) once.
     Callers never mutate the graph."""
-    return trace(model, 1, seq_len)
+    return trace(model, 1, seq_len, dtype)
 
 
 def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: int | None = None,

@@ -77,6 +77,13 @@ class Context:
     fsdp: frozenset[str]  # data-parallel dims whose parameters are fully sharded
     checkpointing: str
     feature_divisor: int  # every feature sharding must divide this (heads, kv heads, ...)
+    trace_itemsize: int = 4  # bytes per parameter element of the traced graph
+
+    @property
+    def bytes_scale(self) -> float:
+        """Training bytes per traced byte: 1 for a graph traced in the training dtype (whose
+        fp32 ops show as such); a graph traced in fp32 for bf16 training is halved."""
+        return self.act_itemsize / self.trace_itemsize
 
     @property
     def free_dims(self) -> tuple[int, ...]:
@@ -161,7 +168,7 @@ def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int,
     ways (default ``shards``; a row-parallel product's Partial output is whole on every
     rank)."""
     total = recomputed = 0.0
-    scale = ctx.act_itemsize / 4  # traced in fp32
+    scale = ctx.bytes_scale
     # the executor runs activations as DTensors on the model (non-dp) mesh dims
     dtensor = any(ctx.mesh_shape[i] > 1 for i in ctx.free_dims)
     # where the profile measured eager host time per graph node (CPU), every node,
@@ -196,16 +203,15 @@ def _fresh_pages_s(ctx: Context, node: dict, out_shards: int) -> tuple[float, fl
     """(forward, backward) seconds the new tensors of one node cost where they get fresh
     pages from the OS (from the profile's ``fresh_alloc_bytes`` up, a CPU's allocator:
     cost_model.compute.fresh_pages_time): the forward allocates the node's output, split
-    ``out_shards`` ways, the backward a float output's gradient (its consumers' backward,
+    ``out_shards`` ways, the backward its gradient if it has one (its consumers' backward,
     as large).  The loss allocates its log-probabilities forward and their zero-filled
     gradient backward, each as large as the logits in fp32 (Hugging Face upcasts them)."""
-    if node["short"] in VIEW_OPS:
+    if _aliases_input(node):
         return 0.0, 0.0
     if node["short"] in LOSS_OPS:
         numel, itemsize, grad = math.prod(node["in_shapes"][0]), 4, True
     else:
-        grad = node["dtype"].startswith("torch.float")
-        numel, itemsize = node["out_numel"], ctx.act_itemsize if grad else node["itemsize"]
+        numel, itemsize, grad = node["out_numel"], node["itemsize"] * ctx.bytes_scale, node["requires_grad"]
     t = fresh_pages_time(numel * ctx.microbatch * itemsize / out_shards,
                          ctx.profile.fresh_page_byte_s, ctx.profile.fresh_alloc_bytes)
     return t, t if grad else 0.0
@@ -229,16 +235,28 @@ def _saved_bytes(ctx: Context, nodes: Sequence[tuple[dict, float]], layers: int)
             total += mult * d.get("ckpt_numel", 0) * per_seq
         if ctx.checkpointing != "none" and d["layer"] is not None:
             if ctx.checkpointing == "selective" and d["short"] in SAVED_BY_SELECTIVE:
-                total += mult * d["out_numel"] * per_seq
+                total += mult * _output_bytes(ctx, d)
                 continue
             mult = mult / layers
         if d["short"] in LOSS_OPS:  # its log-probabilities, fp32 (Hugging Face upcasts the logits)
             total += mult * math.prod(d["in_shapes"][0]) * ctx.microbatch * 4
             continue
-        if d["short"] in VIEW_OPS or not d.get("saved"):
+        if _aliases_input(d) or not d.get("saved"):
             continue
-        total += mult * d["out_numel"] * per_seq
+        total += mult * _output_bytes(ctx, d)
     return total
+
+
+def _aliases_input(node: dict) -> bool:
+    """A view of its input (or a same-dtype ``to``, a ``contiguous`` of a contiguous
+    tensor): no new memory."""
+    return node["short"] in VIEW_OPS and not node.get("copy")
+
+
+def _output_bytes(ctx: Context, node: dict) -> float:
+    """Bytes of ``node``'s outputs for one micro-batch in training (fp32 where the traced
+    graph runs fp32 under bf16 training)."""
+    return node["out_numel"] * node["itemsize"] * ctx.bytes_scale * ctx.microbatch
 
 
 def weight_placement(kind: str, op: str, arg: int, shape: Sequence[int]) -> str:

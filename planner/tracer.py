@@ -234,6 +234,11 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
             shape=tuple(out.shape) if out is not None else (),
             dtype=str(out.dtype) if out is not None else "",
             itemsize=out.element_size() if out is not None else 0,
+            # new memory from an op that can alias its input: a dtype change (bf16 -> fp32
+            # in Hugging Face's norms), a clone, contiguous() of a strided view
+            copy=bool(ins) and out is not None and (
+                ins[0].dtype != out.dtype or short == "clone"
+                or (short == "contiguous" and not ins[0].is_contiguous())),
             out_numel=sum(t.numel() for t in outs),
             fwd_flops=fwd, bwd_flops=fwd * _BWD_FACTOR.get(short, 1.0), bytes=nbytes,
             bwd_bytes=bwd_bytes, fwd_trans=float(trans[0]), bwd_trans=float(trans[1]),
@@ -244,6 +249,7 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
                 val = a.meta.get("val")
                 nb = sum(_nbytes(t) for t in _tensors(val))
                 graph.add_edge(a.name, node.name, bytes=nb)
+    _mark_requires_grad(graph)
     _mark_saved(graph)
     _mark_rerun(graph)
     return graph
@@ -251,20 +257,53 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
 
 # Ops whose backward needs an input's value: autograd saves those inputs.  Adds,
 # casts, negation, concatenation and views need none, so what feeds only them is
-# not kept (this is how the Korthikanti et al. per-layer count is built up).
+# not kept (this is how the Korthikanti et al. per-layer count is built up).  The loss
+# keeps its log-probabilities, not the logits (planner.strategies counts them).
 _SAVES_INPUTS = {"linear", "addmm", "mm", "bmm", "matmul", "mul", "div", "pow", "rsqrt", "silu",
                  "gelu", "tanh", "sigmoid", "softmax", "_softmax", "scaled_dot_product_attention",
                  "layer_norm", "native_layer_norm", "grouped_mm_fallback", "exp", "log",
-                 "dropout", "index", "gather", "cross_entropy_loss"}
+                 "dropout", "index", "gather"}
+
+
+def _mark_requires_grad(graph: nx.DiGraph) -> None:
+    """``requires_grad``: a float value computed from a parameter (inputs and buffers,
+    such as rotary cos / sin, need no gradient)."""
+    for n in nx.topological_sort(graph):
+        d = graph.nodes[n]
+        d["requires_grad"] = d["is_param"] if d["kind"] == "placeholder" else (
+            getattr(torch, d["dtype"].removeprefix("torch."), torch.int64).is_floating_point
+            and any(graph.nodes[p]["requires_grad"] for p in graph.predecessors(n)))
+
+
+def _keeps(graph: nx.DiGraph, consumer: str, value: str) -> bool:
+    """Whether ``consumer``'s backward needs ``value``, one of its inputs: a product keeps
+    a factor only for the other factor's gradient (``q * cos`` keeps cos, not q)."""
+    c = graph.nodes[consumer]
+    if c.get("short") == "mul":
+        others = list(c["in_nodes"])
+        if value in others:
+            others.remove(value)
+        return any(graph.nodes[o]["requires_grad"] for o in others)
+    return c.get("short") in _SAVES_INPUTS
+
+
+# Ops whose backward needs their own output (attention also keeps its log-sum-exp).
+_SAVES_OUTPUT = {"scaled_dot_product_attention", "softmax", "_softmax", "exp", "sigmoid", "tanh",
+                 "rsqrt", "sqrt"}
+
+
+def _is_alias(d: dict) -> bool:
+    """Whether node ``d``'s output is its input's memory (a view, a same-dtype ``to``)."""
+    return d.get("short") in _VIEW_OPS or (d.get("short") in ("to", "contiguous") and not d["copy"])
 
 
 def _mark_saved(graph: nx.DiGraph) -> None:
-    """``saved``: some backward needs this value, directly or through views of it."""
+    """``saved``: some backward needs this value, directly or through aliases of it."""
     for n in reversed(list(nx.topological_sort(graph))):
-        succ = [graph.nodes[c] for c in graph.successors(n)]
-        graph.nodes[n]["saved"] = any(
-            c.get("short") in _SAVES_INPUTS or (c.get("short") in _VIEW_OPS and c["saved"])
-            for c in succ)
+        d = graph.nodes[n]
+        d["saved"] = (d.get("short") in _SAVES_OUTPUT and d["requires_grad"]) or any(
+            _keeps(graph, c, n) or (_is_alias(graph.nodes[c]) and graph.nodes[c]["saved"])
+            for c in graph.successors(n))
 
 
 def _mark_rerun(graph: nx.DiGraph) -> None:
@@ -277,8 +316,8 @@ def _mark_rerun(graph: nx.DiGraph) -> None:
         d = graph.nodes[n]
         layer = d.get("layer")
         d["rerun"] = layer is not None and any(
-            c.get("layer") == layer and (c.get("short") in _SAVES_INPUTS or c["rerun"])
-            for c in (graph.nodes[v] for v in graph.successors(n)))
+            graph.nodes[c].get("layer") == layer and (_keeps(graph, c, n) or graph.nodes[c]["rerun"])
+            for c in graph.successors(n))
 
 
 def _aliases(model: nn.Module) -> dict[str, str]:
@@ -300,8 +339,10 @@ def layer_signature(graph: nx.DiGraph, layer: int, prefix: str) -> tuple:
 
 
 def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_size: int = 1,
-          seq_len: int = 2048) -> nx.DiGraph:
-    """Trace ``model`` (preset, config.json path, HF config dict/object, or nn.Module)."""
+          seq_len: int = 2048, dtype: torch.dtype = torch.float32) -> nx.DiGraph:
+    """Trace ``model`` (preset, config.json path, HF config dict/object, or nn.Module),
+    built in ``dtype`` (a module as it is): the training dtype, so the graph shows which
+    ops run in fp32 anyway (Hugging Face's norms and loss upcast)."""
     if batch_size <= 0:
         raise ConfigError(f"batch_size: must be positive, got {batch_size}")
     if seq_len <= 0:
@@ -315,8 +356,8 @@ def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_s
         if max_pos and seq_len > max_pos:
             raise ConfigError(f"seq_len: {seq_len} exceeds the model's {max_pos} positions")
         layers = _num_layers(config)
-        full = build_model(config, "meta")
-        exported = build_model(_truncated(config, min(layers, TRACED_LAYERS)), "meta")
+        full = build_model(config, "meta", dtype)
+        exported = build_model(_truncated(config, min(layers, TRACED_LAYERS)), "meta", dtype)
     causal_lm = getattr(getattr(exported, "config", None), "is_decoder", False) or hasattr(
         exported, "generate")
     graph = build_graph(_export(exported, batch_size, seq_len), causal_lm, _aliases(exported))
@@ -333,7 +374,7 @@ def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_s
         model=name, layers=layers or traced, traced_layers=traced, layer_prefix=prefix,
         batch_size=batch_size, seq_len=seq_len,
         param_shapes={n: tuple(p.shape) for n, p in full.named_parameters()},
-        dtype=str(next(full.parameters()).dtype),
+        dtype=str(next(full.parameters()).dtype), itemsize=next(full.parameters()).element_size(),
     )
     # A checkpointed layer keeps its inputs.  One made by another layer (the residual
     # stream) is recorded on the layer's first consumer of it, so it counts once per real
