@@ -8,8 +8,11 @@ else the planner validates itself and reports as a ``ValueError`` naming the fie
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from importlib import metadata, resources
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import (
@@ -107,9 +110,28 @@ class PlanRequest(_Request):
         return self.model_copy(update={"batch_size": batch, "seq_len": seq})
 
     def key(self) -> str:
-        """Content address of a (defaults-filled) request: canonical JSON, sha256."""
+        """Content address of a (defaults-filled) request: canonical JSON and the planner's
+        revision, sha256."""
         body = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(body.encode()).hexdigest()
+        return hashlib.sha256(f"{planner_revision()}\n{body}".encode()).hexdigest()
+
+
+@functools.cache
+def planner_revision() -> str:
+    """Digest of what a plan is computed from besides the request: the planner's and the
+    cost model's code, the shipped profiles, and the torch and transformers versions
+    (the traced graphs).  A stored plan answers an identical request only while they are
+    unchanged, so an upgraded planner plans afresh instead of serving the old one's
+    predictions (the old plans stay listed, under their own ids)."""
+    digest = hashlib.sha256()
+    for package in ("planner", "cost_model", "profiles"):
+        root = Path(str(resources.files(package)))
+        for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json")):
+            digest.update(path.relative_to(root).as_posix().encode())
+            digest.update(path.read_bytes())
+    for dist in ("torch", "transformers"):
+        digest.update(f"{dist}=={metadata.version(dist)}".encode())
+    return digest.hexdigest()
 
 
 class StoredPlanResponse(BaseModel):

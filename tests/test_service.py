@@ -63,6 +63,18 @@ def test_spelled_out_defaults_are_the_same_request() -> None:
     assert PlanRequest(model="llama-tiny", devices=4, profile=PROFILE).with_defaults().key() != implicit.key()
 
 
+def test_a_changed_planner_does_not_serve_the_old_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store answers an identical request only from the same planner revision (its
+    code, the cost model, the shipped profiles, torch and transformers)."""
+    from service import models
+
+    request = PlanRequest(**TINY)
+    assert models.planner_revision() == models.planner_revision()  # stable within a process
+    before = request.key()
+    monkeypatch.setattr(models, "planner_revision", lambda: "a later planner")
+    assert request.key() != before
+
+
 def test_hf_config_inline_and_inline_profile(server: ServerProcess) -> None:
     from cost_model.profile import load_profile
     from planner.presets import PRESETS
