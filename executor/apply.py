@@ -517,10 +517,13 @@ def _checkpoint_activations(model: nn.Module, plan: Plan, batch: DataParallelBat
         checkpoint(block, context_fn=partial(_recompute_contexts, selective, batch))
 
 
+# planner.strategies.SAVED_BY_SELECTIVE is the planner's view of this set
 _SAVED_BY_SELECTIVE = {
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default, torch.ops.aten._grouped_mm.default,
     _CPU_SDPA, torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
 }
 
 

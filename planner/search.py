@@ -428,7 +428,7 @@ def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
 @functools.lru_cache(maxsize=8)
 def _trace_preset(model: str, seq_len: int, dtype: torch.dtype) -> nx.DiGraph:
     """Graphs of named models are reused: a plan and the estimates that check it, or a
-    service worker answering many requests, trace each (model, seq_len) once.
+    service worker answering many requests, trace each (model, seq_len, dtype) once.
     Callers never mutate the graph."""
     return trace(model, 1, seq_len, dtype)
 

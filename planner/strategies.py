@@ -54,7 +54,8 @@ VIEW_OPS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueez
             "expand", "slice", "select", "alias", "t", "split", "chunk", "unbind", "getitem",
             "contiguous", "clone", "_assert_tensor_metadata", "to", "detach"}
 # What selective activation checkpointing keeps of a layer (executor.apply's policy, at
-# aten level mm / addmm / bmm and the attention kernels): the other ops are recomputed.
+# aten level mm / addmm / bmm / baddbmm / _grouped_mm and the attention kernels): the
+# other ops are recomputed.
 SAVED_BY_SELECTIVE = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm",
                       "scaled_dot_product_attention", "grouped_mm_fallback"}
 LAYOUTS = ("R", "B", "Q", "H", "P")
@@ -220,10 +221,10 @@ def _fresh_pages_s(ctx: Context, node: dict, out_shards: int) -> tuple[float, fl
 def _saved_bytes(ctx: Context, nodes: Sequence[tuple[dict, float]], layers: int) -> float:
     """Activation bytes (node, multiplicity) keep for backward, one micro-batch, unsharded.
 
-    A tensor is kept when a consumer's backward needs it (``saved``, set by the
-    tracer from autograd's rules); views alias their input; the loss keeps its
-    log-probabilities, which the trace does not show.  A checkpointed layer keeps
-    its inputs (``ckpt_numel``: see planner.tracer.trace) and,
+    A tensor is kept when a backward needs it (``saved``, set by the tracer from
+    autograd's rules); views alias their input; the loss keeps its log-probabilities
+    and a dropout its mask, which the trace does not show as tensors.  A checkpointed layer keeps
+    its inputs (``ckpt_numel``: planner.tracer._mark_checkpoint_inputs) and,
     under ``selective``, every matmul and attention output whether backward needs it or
     not (torch's selective checkpointing caches what the policy saves); what it
     recomputes exists for one layer at a time, during that layer's recomputation.
@@ -241,6 +242,7 @@ def _saved_bytes(ctx: Context, nodes: Sequence[tuple[dict, float]], layers: int)
         if d["short"] in LOSS_OPS:  # its log-probabilities, fp32 (Hugging Face upcasts the logits)
             total += mult * math.prod(d["in_shapes"][0]) * ctx.microbatch * 4
             continue
+        total += mult * d.get("mask_numel", 0) * ctx.microbatch  # dropout's, a byte per element
         if _aliases_input(d) or not d.get("saved"):
             continue
         total += mult * _output_bytes(ctx, d)

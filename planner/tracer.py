@@ -10,9 +10,11 @@ instead, so the shortcut never silently misdescribes a model.
 Node attributes (every call_function node):
     op            aten op name ("aten.linear.default")
     in_shapes     shapes of the tensor arguments, in argument order
-    in_nodes      names of the producer node of each tensor argument (None for constants)
+    in_nodes      names of the producer node of each tensor argument (constants omitted)
     shape, dtype  the (first) tensor output
     itemsize      bytes per output element
+    copy          new memory from an op that can alias its input (a cast, a clone, a
+                  contiguous() of a strided view); a same-dtype ``to`` costs nothing
     fwd_flops, bwd_flops, bytes   FLOPs of forward / backward, bytes read + written
     bwd_bytes     bytes the backward reads + writes (``bytes`` unless the op's backward
                   makes more passes, as cross-entropy's does)
@@ -22,12 +24,19 @@ Node attributes (every call_function node):
     params        {argument position: parameter FQN} for direct parameter inputs
     module        owning module path (innermost of ``nn_module_stack``)
     layer         layer index or None outside the repeated layers
+    mask_numel    elements of the mask a dropout keeps for backward (0 for other ops)
+    requires_grad a float value computed from a parameter
+    saved         a backward needs this value (autograd's rules: ``_mark_saved``)
+    rerun         a checkpointed layer's recomputation produces it again (``_mark_rerun``)
+    ckpt_numel    what a checkpointed layer keeps of its inputs, recorded here
+                  (``_mark_checkpoint_inputs``)
 A model whose ``forward`` takes ``labels`` (every Hugging Face LM) is traced with
 ``labels=input_ids``, so the loss it computes in training (``cross_entropy_loss`` over
 the whole vocabulary, as large as an MLP's GEMMs on small models) is in the graph.
 
 Graph attributes: model, layers (real count), traced_layers, layer_prefix, batch_size,
-seq_len, param_shapes (every parameter of the real model, FQN -> shape), dtype.
+seq_len, param_shapes (every parameter of the real model, FQN -> shape), dtype and
+itemsize of the parameters (the model is traced in the training dtype: ``trace``).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -204,7 +214,12 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
         module = list(stack.values())[-1][0] if stack else ""
         layer = _layer_of(module)
         fwd = _matmul_flops(short, ins, out, node, causal_lm)
-        if short in _VIEW_OPS or not outs:
+        # new memory from an op that can alias its input: a dtype change (bf16 -> fp32 in
+        # Hugging Face's norms), a clone, contiguous() of a strided view
+        copy = bool(ins) and out is not None and (
+            ins[0].dtype != out.dtype or short == "clone"
+            or (short == "contiguous" and not ins[0].is_contiguous()))
+        if short in _VIEW_OPS or not outs or (short in _MAYBE_ALIAS and not copy):
             nbytes = 0.0
         else:
             nbytes = float(sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs))
@@ -234,11 +249,10 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
             shape=tuple(out.shape) if out is not None else (),
             dtype=str(out.dtype) if out is not None else "",
             itemsize=out.element_size() if out is not None else 0,
-            # new memory from an op that can alias its input: a dtype change (bf16 -> fp32
-            # in Hugging Face's norms), a clone, contiguous() of a strided view
-            copy=bool(ins) and out is not None and (
-                ins[0].dtype != out.dtype or short == "clone"
-                or (short == "contiguous" and not ins[0].is_contiguous())),
+            copy=copy,
+            # a dropout keeps its mask for backward: one byte per element
+            mask_numel=out.numel() if short == "dropout" and len(node.args) > 1
+            and float(node.args[1]) > 0 else 0,
             out_numel=sum(t.numel() for t in outs),
             fwd_flops=fwd, bwd_flops=fwd * _BWD_FACTOR.get(short, 1.0), bytes=nbytes,
             bwd_bytes=bwd_bytes, fwd_trans=float(trans[0]), bwd_trans=float(trans[1]),
@@ -259,10 +273,9 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
 # casts, negation, concatenation and views need none, so what feeds only them is
 # not kept (this is how the Korthikanti et al. per-layer count is built up).  The loss
 # keeps its log-probabilities, not the logits (planner.strategies counts them).
-_SAVES_INPUTS = {"linear", "addmm", "mm", "bmm", "matmul", "mul", "div", "pow", "rsqrt", "silu",
-                 "gelu", "tanh", "sigmoid", "softmax", "_softmax", "scaled_dot_product_attention",
-                 "layer_norm", "native_layer_norm", "grouped_mm_fallback", "exp", "log",
-                 "dropout", "index", "gather"}
+_SAVES_INPUTS = {"linear", "addmm", "mm", "bmm", "matmul", "mul", "div", "pow", "silu", "gelu",
+                 "scaled_dot_product_attention", "layer_norm", "native_layer_norm", "rms_norm",
+                 "grouped_mm_fallback", "log", "index", "gather"}
 
 
 def _mark_requires_grad(graph: nx.DiGraph) -> None:
@@ -279,6 +292,8 @@ def _keeps(graph: nx.DiGraph, consumer: str, value: str) -> bool:
     """Whether ``consumer``'s backward needs ``value``, one of its inputs: a product keeps
     a factor only for the other factor's gradient (``q * cos`` keeps cos, not q)."""
     c = graph.nodes[consumer]
+    if not c.get("requires_grad"):  # no backward at all
+        return False
     if c.get("short") == "mul":
         others = list(c["in_nodes"])
         if value in others:
@@ -288,13 +303,14 @@ def _keeps(graph: nx.DiGraph, consumer: str, value: str) -> bool:
 
 
 # Ops whose backward needs their own output (attention also keeps its log-sum-exp).
-_SAVES_OUTPUT = {"scaled_dot_product_attention", "softmax", "_softmax", "exp", "sigmoid", "tanh",
-                 "rsqrt", "sqrt"}
+_SAVES_OUTPUT = {"scaled_dot_product_attention", "softmax", "_softmax", "log_softmax",
+                 "_log_softmax", "exp", "sigmoid", "tanh", "rsqrt", "sqrt"}
+_MAYBE_ALIAS = {"to", "contiguous"}  # the input itself unless ``copy``
 
 
 def _is_alias(d: dict) -> bool:
     """Whether node ``d``'s output is its input's memory (a view, a same-dtype ``to``)."""
-    return d.get("short") in _VIEW_OPS or (d.get("short") in ("to", "contiguous") and not d["copy"])
+    return d.get("short") in _VIEW_OPS or (d.get("short") in _MAYBE_ALIAS and not d["copy"])
 
 
 def _mark_saved(graph: nx.DiGraph) -> None:
@@ -309,15 +325,17 @@ def _mark_saved(graph: nx.DiGraph) -> None:
 def _mark_rerun(graph: nx.DiGraph) -> None:
     """``rerun``: a checkpointed layer's recomputation produces this value again.  torch's
     non-reentrant checkpoint stops once it has rebuilt every tensor the layer's backward
-    needs, so that is a value an op of the same layer needs for its backward, or one
-    feeding an op that reruns (a layer's last ops, whose outputs only the next layer
-    reads, do not; nor do their input redistributions)."""
+    needs, so that is a value an op of the same layer needs for its backward (its own
+    output, for attention or softmax), or one feeding an op that reruns (a layer's last
+    ops, whose outputs only the next layer reads, do not; nor do their input
+    redistributions)."""
     for n in reversed(list(nx.topological_sort(graph))):
         d = graph.nodes[n]
         layer = d.get("layer")
-        d["rerun"] = layer is not None and any(
-            graph.nodes[c].get("layer") == layer and (_keeps(graph, c, n) or graph.nodes[c]["rerun"])
-            for c in graph.successors(n))
+        d["rerun"] = layer is not None and (
+            (d.get("short") in _SAVES_OUTPUT and d["requires_grad"]) or any(
+                graph.nodes[c].get("layer") == layer and (_keeps(graph, c, n) or graph.nodes[c]["rerun"])
+                for c in graph.successors(n)))
 
 
 def _aliases(model: nn.Module) -> dict[str, str]:
@@ -376,24 +394,36 @@ def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_s
         param_shapes={n: tuple(p.shape) for n, p in full.named_parameters()},
         dtype=str(next(full.parameters()).dtype), itemsize=next(full.parameters()).element_size(),
     )
-    # A checkpointed layer keeps its inputs.  One made by another layer (the residual
-    # stream) is recorded on the layer's first consumer of it, so it counts once per real
-    # layer; one made outside the layers (the embedding output, rotary cos / sin, the
-    # attention mask) is one tensor every layer's checkpoint shares: recorded on its
-    # producer, once, unless backward keeps it anyway (``saved``).
+    _mark_checkpoint_inputs(graph)
+    return graph
+
+
+def _mark_checkpoint_inputs(graph: nx.DiGraph) -> None:
+    """``ckpt_numel``: what a checkpointed layer keeps, its inputs.  One every traced layer
+    reads from outside the layers (rotary cos / sin, the attention mask) is one tensor
+    all checkpoints share: recorded on its producer, once, unless backward keeps it
+    anyway (``saved``).  Any other (the residual stream: the embedding output for the
+    first traced layer, the previous layer's output for the others) is recorded on the
+    layer's first consumer of it that makes a tensor (not a metadata check), so it counts
+    once per real layer that traced layer stands for."""
+    layers = {d["layer"] for _, d in graph.nodes(data=True) if d.get("layer") is not None}
+    readers: dict[str, set[int]] = defaultdict(set)
+    for u, v in graph.edges:
+        if graph.nodes[u].get("layer") is None and graph.nodes[v].get("layer") is not None:
+            readers[u].add(graph.nodes[v]["layer"])
     seen: set[tuple[str, int]] = set()
     for u, v in graph.edges:
         lv = graph.nodes[v].get("layer")
         du = graph.nodes[u]
-        if lv is None or du.get("layer") == lv or du["kind"] != "call_function" or (u, lv) in seen:
+        if (lv is None or du.get("layer") == lv or du["kind"] != "call_function" or (u, lv) in seen
+                or not graph.nodes[v]["out_numel"]):
             continue
         seen.add((u, lv))
-        if du.get("layer") is None:
+        if du.get("layer") is None and readers[u] == layers:
             if not du.get("saved"):
                 du["ckpt_numel"] = du["out_numel"]
             continue
         graph.nodes[v]["ckpt_numel"] = graph.nodes[v].get("ckpt_numel", 0) + du["out_numel"]
-    return graph
 
 
 def layer_weight(graph: nx.DiGraph, node: str) -> int:
