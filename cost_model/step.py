@@ -43,6 +43,7 @@ class StageCost:
 
     forward_compute_s: float
     backward_compute_s: float  # including activation recomputation
+    recompute_s: float = 0.0  # the recomputation alone
     blocking_comm_s: float = 0.0  # TP/SP collectives + resharding, forward and backward
     gather_forward_s: float = 0.0  # FSDP parameter all-gathers in the forward
     gather_backward_s: float = 0.0  # re-gathers in the backward (reshard_after_forward)
@@ -69,6 +70,7 @@ class StepBreakdown:
 
     step_time_s: float
     compute_s: float
+    recompute_s: float
     communication_s: float
     exposed_communication_s: float
     resharding_s: float
@@ -137,6 +139,7 @@ def compose_step(
     return StepBreakdown(
         step_time_s=compute + exposed_comm + bubble + optimizer,
         compute_s=compute,
+        recompute_s=m * slow.recompute_s,
         communication_s=communication + slow.grad_reduce_s,
         exposed_communication_s=exposed_comm,
         resharding_s=m * slow.blocking_comm_s,

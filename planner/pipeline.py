@@ -136,7 +136,7 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
         ctx.profile, ctx.mesh_shape, [i for i, d in enumerate(ctx.mesh_names) if d == "dp"],
         "dp" in ctx.fsdp, n + 1)
     cost = StageCost(
-        forward_compute_s=fwd, backward_compute_s=compute - fwd,
+        forward_compute_s=fwd, backward_compute_s=compute - fwd, recompute_s=part.recompute_s,
         blocking_comm_s=part.blocking_s, gather_forward_s=(part.gather_s + gather_lat) / 2,
         gather_backward_s=(part.gather_s + gather_lat) / 2, p2p_s=p2p_s * virtual,
         grad_reduce_s=part.grad_sync_s + reduce_lat, layers=max(n, 1),

@@ -130,6 +130,8 @@ class Pipeline(_Strict):
 class TimeBreakdown(_Strict):
     step_time_s: float = Field(ge=0)
     compute_s: float = Field(ge=0)
+    recompute_s: float = Field(default=0.0, ge=0,
+                               description="the part of compute_s that activation checkpointing recomputes")
     communication_s: float = Field(ge=0, description="all communication, overlapped or not")
     exposed_communication_s: float = Field(ge=0)
     resharding_s: float = Field(default=0.0, ge=0)

@@ -169,9 +169,10 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     state = [sum(c.state[i] for c in chosen) for i in range(3)]
     compute += fsdp_host_s(ctx, graph.graph["layers"] + 1, state[0])
     # backward = 2x forward, plus what checkpointing recomputes
-    fwd = (compute - sum(c.recompute_s for c in chosen)) / 3
+    recompute = sum(c.recompute_s for c in chosen)
+    fwd = (compute - recompute) / 3
     stage = StageCost(
-        forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m,
+        forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m, recompute_s=recompute / m,
         blocking_comm_s=(sol.reshard_s + sum(c.comm_s for c in chosen)) / m + loss_mean_s(ctx)
         + partial_grad_time(ctx.profile, ctx.mesh_shape, _partial_grads(ctx, graph, list(chosen)),
                             bucketed=math.prod(ctx.mesh_shape[i] for i in data_dims) == 1),

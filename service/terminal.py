@@ -72,7 +72,8 @@ def render_prediction(pred: Prediction) -> str:
             f"   MFU {pred.mfu * 100:.1f}%   memory {gib(m.total)} of {gib(m.capacity)}"
             f"   {'fits' if m.fits else 'DOES NOT FIT'}")
     times = table(["time", "seconds"], [
-        ("compute", seconds(t.compute_s)), ("communication (all)", seconds(t.communication_s)),
+        ("compute", seconds(t.compute_s)), ("  of it recomputation", seconds(t.recompute_s)),
+        ("communication (all)", seconds(t.communication_s)),
         ("communication (exposed)", seconds(t.exposed_communication_s)),
         ("resharding", seconds(t.resharding_s)), ("pipeline bubble", seconds(t.pipeline_bubble_s)),
         ("optimizer", seconds(t.optimizer_s)), ("step", seconds(t.step_time_s))])

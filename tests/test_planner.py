@@ -403,6 +403,10 @@ def test_checkpointing_recomputes_the_layers_only_and_selective_keeps_their_matm
            for m in ctxs}
     assert est["none"].time.compute_s < est["selective"].time.compute_s < est["full"].time.compute_s
     assert est["none"].memory.activations > est["selective"].memory.activations > est["full"].memory.activations
+    # the breakdown names the recomputation: all that checkpointing adds to compute
+    assert est["none"].time.recompute_s == 0
+    for mode in ("selective", "full"):
+        assert est[mode].time.recompute_s == pytest.approx(est[mode].time.compute_s - est["none"].time.compute_s)
 
 
 def test_checkpointing_charges_the_redistributions_it_reissues():
