@@ -74,7 +74,7 @@ from cost_model.calibrate import (
     together,
 )
 from cost_model.comm import collective_time
-from cost_model.compute import gemm_efficiency
+from cost_model.compute import column_factor, gemm_efficiency
 from cost_model.profile import load_profile
 from planner.presets import build_model, load_config
 from tests._dist import make_plan
@@ -192,7 +192,8 @@ GEMM_SHAPES = {"square 1024^3": (1024, 1024, 1024), "TP kv shard 1024x256x32": (
 def _gemm_rates() -> dict[str, float]:
     """FLOP/s of fp32 GEMMs of GEMM_SHAPES, all ranks at once, timed as calibrate times
     its square ones (``together`` + ``cold_gemm_time``): what a rank's "device" delivers
-    here, square and thin, to compare with the profile's rate at the same FLOPs."""
+    here, square and thin, to compare with the profile's rate for that shape (the FLOPs'
+    curve times the output width's factor)."""
     return {name: 2.0 * m * k * n / together(lambda m=m, k=k, n=n: cold_gemm_time(m, k, n))
             for name, (m, k, n) in GEMM_SHAPES.items()}
 
@@ -347,7 +348,7 @@ def _step_table(results: list[dict], profile: dict) -> None:
     prof = load_profile(profile)
     for name, (m, k, n) in GEMM_SHAPES.items():
         flops = 2.0 * m * k * n
-        rate = gemm_efficiency(prof, flops) * prof.peak_flops["fp32"]
+        rate = gemm_efficiency(prof, flops) * column_factor(prof, n) * prof.peak_flops["fp32"]
         rates = [res["gemm"][name] for res in results]
         print(f"GEMM fp32 {name}: the profile's rate {rate / 1e9:.1f} GFLOP/s per rank; measured now "
               f"in the {WORLD} ranks at once (1 thread each): median rank {statistics.median(rates) / 1e9:.1f}, "

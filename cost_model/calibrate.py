@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import faulthandler
 import itertools
+import math
 import os
 import platform
 import statistics
@@ -56,6 +57,9 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 DEFAULT_MESSAGE_SIZES = (64 * 2**10, 2**20, 8 * 2**20, 64 * 2**20)
 GEMM_SIZES = (64, 128, 256, 512, 1024)
+# Output widths of the narrow GEMMs (a linear of 1024 tokens x 256 features to these),
+# the shapes tensor parallelism cuts projections into (measure_gemm_columns).
+COLUMN_SIZES = (16, 32, 64, 128, 256, 512)
 COPY_BYTES = 16 * 2**20  # larger than a core's share of the last-level cache
 COLD_BYTES = 64 * 2**20  # GEMM operand pool per rank: 4 ranks' pools overflow a 105 MB L3
 # glibc's malloc serves a block from its mmap threshold with fresh pages and unmaps it on
@@ -238,6 +242,28 @@ def measure_gemm(dtype: torch.dtype, dispatch_s: float = 0.0) -> list[tuple[floa
     return out
 
 
+def measure_gemm_columns(square: list[tuple[float, float]], dispatch_s: float = 0.0,
+                         tokens: int = 1024, features: int = 256) -> list[tuple[int, float]]:
+    """(output columns, speed against ``square``'s curve) of fp32 ``F.linear`` from
+    ``features`` to each of COLUMN_SIZES on ``tokens`` rows, cold operands.
+
+    A GEMM's speed follows its output's width, not only its FLOPs: measured here, a
+    1024 x 256 -> 32 linear ran at half the rate of a 256-wide one.  ``square`` is
+    measure_gemm's (FLOPs, FLOP/s), which the cost model's curve interpolates."""
+    xs, ys = [math.log10(f) for f, _ in square], [r for _, r in square]
+    out = []
+    for n in COLUMN_SIZES:
+        pairs = max(2, COLD_BYTES // ((tokens * features + n * features) * 4))
+        x, w = torch.randn(pairs, tokens, features), torch.randn(pairs, n, features)
+        turn = itertools.cycle(range(pairs))
+        t = together(lambda x=x, w=w, turn=turn: _median_time(
+            lambda: torch.nn.functional.linear(x[(i := next(turn))], w[i])))
+        flops = 2.0 * tokens * features * n
+        rate = flops / max(t - dispatch_s, t / 2)
+        out.append((n, min(1.0, rate / float(np.interp(math.log10(flops), xs, ys)))))
+    return out
+
+
 def measure_memory_bandwidth(nbytes: int = COPY_BYTES) -> float:
     """B/s of a large copy (read + write counted), the traffic op_time's bytes mean."""
     src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
@@ -357,6 +383,7 @@ def measure_device(world: int) -> dict[str, Any]:
     floor, dtensor = together(lambda: measure_op_overhead(world))
     out: dict[str, Any] = {"floor": floor, "dtensor": dtensor}
     out["fp32"] = measure_gemm(torch.float32, floor)
+    out["columns"] = measure_gemm_columns(out["fp32"], floor)
     try:
         out["bf16"] = measure_gemm(torch.bfloat16, floor)
     except RuntimeError:  # a CPU build without bf16 matmul kernels (every rank alike)
@@ -621,6 +648,8 @@ def _device_constants(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         sizes = [f for f, _ in per_rank[0][dtype]]
         out[dtype] = [(f, med([r[dtype][i][1] for r in per_rank])) for i, f in enumerate(sizes)]
+    out["columns"] = [(n, med([r["columns"][i][1] for r in per_rank]))
+                      for i, (n, _) in enumerate(per_rank[0]["columns"])]
     return out
 
 
@@ -747,7 +776,8 @@ def profile_from_job(
     progress(
         f"per rank ({ranks} at once, 1 thread each): GEMM "
         + ", ".join(f"{d} {v / 1e9:.1f}" for d, v in peaks.items())
-        + f" GFLOP/s peak; copy {device['bandwidth'] / 1e9:.1f} GB/s, fresh pages "
+        + " GFLOP/s peak (narrow outputs: " + ", ".join(f"{n} cols x{f:.2f}" for n, f in device["columns"])
+        + f"); copy {device['bandwidth'] / 1e9:.1f} GB/s, fresh pages "
         f"{device['fresh_pages'] * 1e9:.2f} ms/MB; exp {device['exp'] / 1e9:.2f} G/s; attention {device['attention'] / 1e9:.1f} GFLOP/s; "
         f"host {device['node_host'] * 1e6:.0f} us per graph node; FSDP2 " + ", ".join(
             f"{m} {u * 1e3:.1f} ms/unit + {b * 1e9:.2f} ms/MB" for m, (u, b) in device["fsdp"].items())
@@ -764,6 +794,7 @@ def profile_from_job(
         device_type="cpu",
         peak_flops=peaks,
         gemm_efficiency=[{"flops": f, "efficiency": min(1.0, r / peaks["fp32"])} for f, r in device["fp32"]],
+        gemm_columns=[{"columns": n, "factor": f} for n, f in device["columns"]],
         memory_bytes=psutil.virtual_memory().total // ranks,
         memory_bandwidth=device["bandwidth"],
         memory_efficiency=1.0,  # the measured copy bandwidth is already the achievable one
@@ -787,7 +818,7 @@ def profile_from_job(
         f"measured by `meshplan calibrate` on {platform.node()} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
-        f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, {COPY_BYTES >> 20} MB copies and exps, {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
+        f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {COPY_BYTES >> 20} MB copies and exps, {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
         f"AdamW steps on {_OPTIMIZER_TENSORS} tiny DTensor vs plain parameters, "
         f"{256 * ranks} B DTensor redistributions vs raw collectives (thread CPU time x core share), timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
         f"overlap_exposure: {OVERLAP_BYTES >> 20} MB all-reduce / all-gather issued asynchronously beside "

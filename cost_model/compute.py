@@ -20,6 +20,16 @@ def gemm_efficiency(profile: Profile, flops: float) -> float:
     return float(np.interp(math.log10(max(flops, 1.0)), xs, ys))
 
 
+def column_factor(profile: Profile, columns: float | None) -> float:
+    """Speed of a GEMM whose output has ``columns`` columns, against the GEMM curve
+    (``Profile.gemm_columns``; 1 where unmeasured or wider than its last point)."""
+    points = profile.gemm_columns
+    if not points or columns is None or columns >= points[-1].columns:
+        return 1.0
+    xs = [math.log(p.columns) for p in points]
+    return float(np.interp(math.log(max(columns, 1.0)), xs, [p.factor for p in points]))
+
+
 def peak_flops(profile: Profile, dtype: str) -> float:
     """Dense peak FLOP/s for ``dtype``; a clear error when the profile lacks it."""
     try:
@@ -40,6 +50,7 @@ def op_time(
     transcendentals: float = 0.0,
     attention: bool = False,
     host_s: float | None = None,
+    narrow: float = 1.0,
 ) -> float:
     """Seconds for one eager op: the roofline of its kernel and the host time to issue it.
 
@@ -52,7 +63,8 @@ def op_time(
     ``transcendental_rate`` (a CPU evaluates exp as a polynomial of a dozen vector
     instructions: softmax runs 3x slower than a copy of the same bytes here).
     ``attention``: a fused attention kernel, at the profile's ``attention_efficiency``
-    where it has one.  ``host_s``: the host time of this op instead of
+    where it has one.  ``narrow``: a GEMM kernel's speed against the curve, for outputs
+    narrow enough to slow it (``column_factor`` of their column count).  ``host_s``: the host time of this op instead of
     ``kernel_floor_s`` (the planner passes ``node_host_s`` shares).
     Free ops (views, metadata: no FLOPs and no bytes) launch no kernel: they cost their
     ``host_s`` when given, else 0 (see docs/cost_model.md).
@@ -64,7 +76,7 @@ def op_time(
     if flops == 0 and bytes_accessed == 0:
         return 0.0 if host_s is None else host
     efficiency = (profile.attention_efficiency if attention and profile.attention_efficiency
-                  else gemm_efficiency(profile, flops))
+                  else gemm_efficiency(profile, flops) * narrow)
     compute = flops / (efficiency * peak_flops(profile, dtype)) if flops else 0.0
     if transcendentals and profile.transcendental_rate:
         compute = max(compute, transcendentals / profile.transcendental_rate)

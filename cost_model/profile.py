@@ -96,6 +96,11 @@ class GemmPoint(_Strict):
     efficiency: Fraction = Field(description="achievable fraction of peak at that size")
 
 
+class ColumnPoint(_Strict):
+    columns: int = Field(gt=0, description="columns of a GEMM's output")
+    factor: Fraction = Field(description="its speed against a GEMM of as many FLOPs with wide outputs")
+
+
 class FsdpOverhead(_Strict):
     """Host time FSDP2 adds to one micro-batch's forward + backward, per mode: its hooks
     and buffer bookkeeping per unit, and copies of the unit's parameters and gradients
@@ -159,6 +164,12 @@ class Profile(_Strict):
         "MiB on 64-bit Linux, and unmaps them on free; smaller ones reuse the heap, unless "
         "glibc has trimmed it meanwhile, which is not modelled); None: no allocation does",
     )
+    gemm_columns: list[ColumnPoint] | None = Field(
+        default=None,
+        description="slowdown of GEMMs with narrow outputs, by the output's column count "
+        "(a tensor-parallel shard's): multiplies gemm_efficiency, interpolated in "
+        "log(columns), 1 from the last point on; None: none (GPU profiles: unmeasured)",
+    )
     attention_efficiency: Fraction | None = Field(
         default=None,
         description="achievable fraction of peak_flops for fused attention "
@@ -201,6 +212,15 @@ class Profile(_Strict):
         sizes = [p.flops for p in points]
         if sizes != sorted(set(sizes)):
             raise ValueError("points must have strictly increasing flops")
+        return points
+
+    @field_validator("gemm_columns")
+    @classmethod
+    def _sorted_columns(cls, points: list[ColumnPoint] | None) -> list[ColumnPoint] | None:
+        if points is not None:
+            columns = [p.columns for p in points]
+            if not columns or columns != sorted(set(columns)):
+                raise ValueError("points must have strictly increasing columns")
         return points
 
     @model_validator(mode="after")

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from cost_model.comm import collective_time
-from cost_model.compute import fresh_pages_time, op_time
+from cost_model.compute import column_factor, fresh_pages_time, op_time
 from cost_model.profile import Profile
 from cost_model.step import fsdp_host_time
 from planner.tracer import layer_weight
@@ -163,11 +163,19 @@ def _scaled(ctx: Context, node: dict) -> tuple[float, ...]:
 
 
 def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int,
-               out_shards: int | None = None) -> tuple[float, float]:
+               out_shards: int | None = None, gemm: tuple[float, float] | None = None,
+               ) -> tuple[float, float]:
     """Per-device seconds per step for (node, multiplicity) split ``shards`` ways: forward
     + backward + recompute, and the recompute alone; the outputs are split ``out_shards``
     ways (default ``shards``; a row-parallel product's Partial output is whole on every
-    rank)."""
+    rank).  ``gemm``: a product's (output, input) features on this rank, whose narrow
+    outputs slow its GEMMs (forward: M x N; backward: dX M x K and dW N x K, equal FLOPs,
+    so their speeds combine harmonically)."""
+    narrow_f = narrow_b = 1.0
+    if gemm is not None:
+        n, k = gemm
+        narrow_f = column_factor(ctx.profile, n)
+        narrow_b = 2 / (1 / column_factor(ctx.profile, k) + 1 / column_factor(ctx.profile, min(n, k)))
     total = recomputed = 0.0
     scale = ctx.bytes_scale
     # the executor runs activations as DTensors on the model (non-dp) mesh dims
@@ -181,9 +189,9 @@ def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int,
         attention = d["short"] == "scaled_dot_product_attention"
         fresh_f, fresh_b = _fresh_pages_s(ctx, d, shards if out_shards is None else out_shards)
         t_f = op_time(ctx.profile, fwd / shards, f_bytes / shards, ctx.dtype, dtensor,
-                      f_trans / shards, attention, host) + fresh_f
+                      f_trans / shards, attention, host, narrow_f) + fresh_f
         t_b = op_time(ctx.profile, bwd / shards, b_bytes / shards, ctx.dtype, dtensor,
-                      b_trans / shards, attention, host) + fresh_b
+                      b_trans / shards, attention, host, narrow_b) + fresh_b
         recompute = t_f if _recomputed(ctx, d) else 0.0
         total += mult * (t_f + t_b + recompute)
         recomputed += mult * recompute
@@ -343,6 +351,19 @@ def _per_dim_options(ctx: Context, options: Sequence[str]) -> list[dict[int, str
     return combos
 
 
+def _gemm_features(ctx: Context, node: dict, op: str, kinds: dict[int, str]) -> tuple[float, float] | None:
+    """(output, input) features of a product's GEMM on one rank: column parallelism splits
+    the outputs, row parallelism the inputs.  None for other anchors."""
+    if op == "linear":  # weight [out, in]
+        n, k = node["in_shapes"][1][:2]
+    elif op == "addmm" and len(node["in_shapes"]) > 2:  # GPT-2's Conv1D: weight [in, out]
+        k, n = node["in_shapes"][2][:2]
+    else:
+        return None
+    split = {kind: math.prod(ctx.mesh_shape[i] for i, x in kinds.items() if x == kind) for kind in ("col", "row")}
+    return n / split["col"], k / split["row"]
+
+
 def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float) -> list[Choice]:
     """Choices of anchor ``node`` standing for ``mult`` real ops (repeated layers)."""
     d = graph.nodes[node]
@@ -383,7 +404,8 @@ def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float) -> l
             work = _shards(ctx, outl)
         name = "+".join(kinds[i] for i in ctx.free_dims) or "data"
         act = _saved_bytes(ctx, [(d, mult)], layers) / max(_shards(ctx, outl), 1)
-        compute, recompute = _compute_s(ctx, [(d, mult)], work, _shards(ctx, outl))
+        compute, recompute = _compute_s(ctx, [(d, mult)], work, _shards(ctx, outl),
+                                        _gemm_features(ctx, d, op, kinds))
         out.append(Choice(name, outl, inp, compute, recompute, weights, state, act, sync, gather))
     return out
 

@@ -430,3 +430,38 @@ def test_checkpointing_charges_the_redistributions_it_reissues():
     again = config["num_hidden_layers"] * (2 * gather + scatter)
     assert resharding["selective"] - resharding["none"] == pytest.approx(again)
     assert resharding["full"] - resharding["none"] == pytest.approx(again)
+
+
+def test_narrow_gemm_outputs_slow_a_tensor_parallel_shard():
+    """Profile.gemm_columns: a GEMM's speed follows its output's width.  On 2 ranks,
+    column parallelism leaves llama-tiny's k projection 8 output features of 16 (forward
+    M x 8, backward dX M x 32 and dW 8 x 32), row parallelism its o projection 16 input
+    features of 32 (forward M x 32, backward dX M x 16 and dW 32 x 16)."""
+    from cost_model.compute import column_factor
+    from cost_model.profile import Profile, load_profile
+    from planner.presets import PRESETS
+    from planner.search import _context
+    from planner.strategies import build_units
+    from planner.tracer import trace
+
+    seq = 256
+    graph = trace({**PRESETS["llama-tiny"], "max_position_embeddings": seq}, 1, seq)
+    cpu = load_profile("cpu-gloo-local")  # compute-bound GEMMs: a GPU's would sit on the launch floor
+    plain = Profile.model_validate({**cpu.model_dump(), "gemm_columns": None})
+    narrow = Profile.model_validate({**cpu.model_dump(), "gemm_columns": [
+        {"columns": 8, "factor": 0.25}, {"columns": 64, "factor": 1.0}]})
+    assert column_factor(narrow, 16) == pytest.approx(0.5)  # interpolated in log(columns)
+    assert column_factor(narrow, 32) == pytest.approx(0.75)
+    assert column_factor(narrow, 4) == 0.25 and column_factor(narrow, 64) == column_factor(plain, 8) == 1.0
+
+    def compute_s(profile: Profile) -> dict[str, dict[str, float]]:
+        units, _ = build_units(_context(profile, ("tp",), (2,), 64, seq, 1, False, "none", 2), graph)
+        return {u.module.rsplit(".", 1)[-1]: {c.name: c.compute_s for c in u.choices}
+                for u in units.values()
+                if u.module.endswith(("layers.0.self_attn.k_proj", "layers.0.self_attn.o_proj"))}
+
+    wide, thin = compute_s(plain), compute_s(narrow)
+    # k col: forward at 0.25, backward at 2 / (1/0.75 + 1/0.25) = 0.375; o row: 0.75, 0.5
+    for module, kind in (("k_proj", "col"), ("o_proj", "row"), ("k_proj", "rep")):
+        assert thin[module][kind] > 1.3 * wide[module][kind], (module, kind)
+    assert thin["k_proj"]["col"] / wide["k_proj"]["col"] > thin["o_proj"]["row"] / wide["o_proj"]["row"]
