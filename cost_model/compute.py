@@ -20,11 +20,11 @@ def gemm_efficiency(profile: Profile, flops: float) -> float:
     return float(np.interp(math.log10(max(flops, 1.0)), xs, ys))
 
 
-def column_factor(profile: Profile, columns: float | None) -> float:
+def column_factor(profile: Profile, columns: float) -> float:
     """Speed of a GEMM whose output has ``columns`` columns, against the GEMM curve
     (``Profile.gemm_columns``; 1 where unmeasured or wider than its last point)."""
     points = profile.gemm_columns
-    if not points or columns is None or columns >= points[-1].columns:
+    if not points or columns >= points[-1].columns:
         return 1.0
     xs = [math.log(p.columns) for p in points]
     return float(np.interp(math.log(max(columns, 1.0)), xs, [p.factor for p in points]))
@@ -64,8 +64,9 @@ def op_time(
     instructions: softmax runs 3x slower than a copy of the same bytes here).
     ``attention``: a fused attention kernel, at the profile's ``attention_efficiency``
     where it has one.  ``narrow``: a GEMM kernel's speed against the curve, for outputs
-    narrow enough to slow it (``column_factor`` of their column count).  ``host_s``: the host time of this op instead of
-    ``kernel_floor_s`` (the planner passes ``node_host_s`` shares).
+    narrow enough to slow it (``column_factor`` of their column count).  ``host_s``: the
+    host time of this op instead of ``kernel_floor_s`` (the planner passes
+    ``node_host_s`` shares).
     Free ops (views, metadata: no FLOPs and no bytes) launch no kernel: they cost their
     ``host_s`` when given, else 0 (see docs/cost_model.md).
     """

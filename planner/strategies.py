@@ -231,10 +231,10 @@ def _saved_bytes(ctx: Context, nodes: Sequence[tuple[dict, float]], layers: int)
 
     A tensor is kept when a backward needs it (``saved``, set by the tracer from
     autograd's rules); views alias their input; the loss keeps its log-probabilities
-    and a dropout its mask, which the trace does not show as tensors.  A checkpointed layer keeps
-    its inputs (``ckpt_numel``: planner.tracer._mark_checkpoint_inputs) and,
-    under ``selective``, every matmul and attention output whether backward needs it or
-    not (torch's selective checkpointing caches what the policy saves); what it
+    and a dropout its mask, which the trace does not show as tensors.  A checkpointed
+    layer keeps its inputs (``ckpt_numel``: planner.tracer._mark_checkpoint_inputs)
+    and, under ``selective``, every matmul and attention output whether backward needs
+    it or not (torch's selective checkpointing caches what the policy saves); what it
     recomputes exists for one layer at a time, during that layer's recomputation.
     """
     total = 0.0
@@ -242,11 +242,11 @@ def _saved_bytes(ctx: Context, nodes: Sequence[tuple[dict, float]], layers: int)
     for d, mult in nodes:
         if ctx.checkpointing != "none":
             total += mult * d.get("ckpt_numel", 0) * per_seq
-        if ctx.checkpointing != "none" and d["layer"] is not None:
-            if ctx.checkpointing == "selective" and d["short"] in SAVED_BY_SELECTIVE:
-                total += mult * _output_bytes(ctx, d)
-                continue
-            mult = mult / layers
+            if d["layer"] is not None:
+                if ctx.checkpointing == "selective" and d["short"] in SAVED_BY_SELECTIVE:
+                    total += mult * _output_bytes(ctx, d)
+                    continue
+                mult = mult / layers
         if d["short"] in LOSS_OPS:  # its log-probabilities, fp32 (Hugging Face upcasts the logits)
             total += mult * math.prod(d["in_shapes"][0]) * ctx.microbatch * 4
             continue
