@@ -100,14 +100,19 @@ def _feature_divisor(graph: nx.DiGraph, config: Any) -> int:
     return math.gcd(int(heads), int(kv)) if heads else 1
 
 
+def _training_dtype(profile: Profile) -> torch.dtype:
+    """What a plan trains in: fp32 on CPUs, bf16 mixed precision on GPUs."""
+    return torch.float32 if profile.device_type == "cpu" else torch.bfloat16
+
+
 def _context(profile: Profile, names: Sequence[str], shape: Sequence[int], batch: int, seq: int,
              microbatches: int, fsdp: bool, checkpointing: str, divisor: int,
              trace_itemsize: int = 4) -> Context:
-    cpu = profile.device_type == "cpu"
+    cpu = _training_dtype(profile) == torch.float32
     return Context(
         mesh_names=tuple(names), mesh_shape=tuple(shape), profile=profile, batch_size=batch,
         seq_len=seq, microbatches=microbatches, dtype="fp32" if cpu else "bf16",
-        act_itemsize=4 if cpu else 2, optimizer="adam-fp32" if cpu else "adam-mixed",
+        act_itemsize=_training_dtype(profile).itemsize, optimizer="adam-fp32" if cpu else "adam-mixed",
         fsdp=frozenset({"dp"}) if fsdp else frozenset(), checkpointing=checkpointing,
         feature_divisor=divisor, trace_itemsize=trace_itemsize,
     )
@@ -420,7 +425,7 @@ def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
     batch, seq_len = default_shape(config if config is not None else model, devices, batch_size, seq_len)
     if batch < 1:
         raise PlanningError(f"batch_size: must be positive, got {batch}")
-    dtype = torch.float32 if prof.device_type == "cpu" else torch.bfloat16  # _context's training dtype
+    dtype = _training_dtype(prof)
     graph = _trace_preset(model, seq_len, dtype) if isinstance(model, str) else trace(
         config if config is not None else model, 1, seq_len, dtype)
     return graph, prof, batch, seq_len, config
