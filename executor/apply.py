@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -38,7 +39,14 @@ from torch.autograd import Variable
 from torch.distributed._composable import checkpoint  # keeps FQNs, unlike the wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 from torch.distributed.tensor.experimental import implicit_replication, register_sharding
 from torch.utils._pytree import SUPPORTED_NODES, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -74,20 +82,23 @@ class _Layout:
         return tuple(d for d in (self.replicate, self.shard) if d)
 
 
-def apply(plan: Plan, model: nn.Module) -> nn.Module:
+def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it, ready for an unchanged loop.
 
     Runs under any initialised process group (torchrun, or ``init_process_group``) whose
     world size is ``plan.devices``; with no process group a 1-device plan returns the
-    model as the single-device reference.  Raises :class:`PlanError` listing every
+    model as the single-device reference.  ``mesh``: run on this device mesh instead of
+    one built over the whole world (a job that already has one, or a subgroup: a mesh
+    over torch's fake process group dry-runs the plan without communicating); its dim
+    names and sizes must be the plan's.  Raises :class:`PlanError` listing every
     mismatch between plan, model and world before touching the model.
     """
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    layout = _check(plan, model, world)
+    world = mesh.size() if mesh is not None else dist.get_world_size() if dist.is_initialized() else 1
+    layout = _check(plan, model, world, mesh)
     on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     if plan.devices == 1:
         return deferred_init.materialize(model) if on_meta else model
-    mesh = _build_mesh(plan, layout)
+    mesh = mesh or _build_mesh(plan, layout)
     model_mesh = mesh[layout.model] if _size(mesh, layout.model) > 1 else None
     if on_meta:
         _materialize(model, model_mesh, layout, plan.mesh.names)
@@ -114,16 +125,18 @@ def apply(plan: Plan, model: nn.Module) -> nn.Module:
 
 # -- checks ------------------------------------------------------------------------------
 
-def _check(plan: Plan, model: nn.Module, world: int) -> _Layout:
+def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) -> _Layout:
     problems: list[str] = []
     named = list(model.named_parameters())
     problems += plan.fingerprint.mismatches(Fingerprint.of((n, p.shape) for n, p in named))
-    if world != plan.devices:
+    if mesh is None and world != plan.devices:
         where = "the process group" if dist.is_initialized() else "no process group (plain single process)"
         problems.append(f"devices: the plan is for {plan.devices} devices, {where} has {world}")
     if plan.devices > 1 and plan.mesh.device_type == "cuda" and not torch.cuda.is_available():
         problems.append("mesh.device_type: the plan is for cuda, but CUDA is not available here")
     layout = _mesh_roles(plan, problems)
+    if mesh is not None:
+        problems += _mesh_problems(plan, mesh, layout)
     problems += _unmatched_patterns(plan, model)
     names = plan.mesh.names
     for fqn, p in named:
@@ -141,16 +154,36 @@ def _check(plan: Plan, model: nn.Module, world: int) -> _Layout:
     return layout
 
 
+def _mesh_problems(plan: Plan, mesh: DeviceMesh, layout: _Layout) -> list[str]:
+    """A given mesh must be the plan's: the same dims in order, sizes and device type."""
+    given = dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=True))
+    want = dict(zip(plan.mesh.names, plan.mesh.shape, strict=True))
+    out = []
+    if list(given.items()) != list(want.items()):
+        out.append(f"mesh: the plan's mesh is {want}, the given mesh is {given or tuple(mesh.shape)}")
+    if mesh.device_type != plan.mesh.device_type:
+        out.append(f"mesh.device_type: the plan is for {plan.mesh.device_type}, the given mesh is "
+                   f"{mesh.device_type}")
+    if layout.replicate and not layout.shard:
+        out.append("data_parallel: a replicate-only plan runs as HSDP on an extra size-1 mesh dim "
+                   f"({_UNIT_SHARD_DIM}) that apply builds itself; pass no mesh for it")
+    return out
+
+
 def _mesh_roles(plan: Plan, problems: list[str]) -> _Layout:
     layout = _Layout()
     names = plan.mesh.names
+    size = dict(zip(names, plan.mesh.shape, strict=True))
     for d in plan.data_parallel:
+        if size.get(d.dim) == 1:  # nothing to split or reduce: no FSDP2 wrapping, no hooks
+            continue
         role = "replicate" if d.mode == "replicate" else "shard"
         if getattr(layout, role) is not None:
             problems.append(f"data_parallel: more than one {d.mode} dim ({getattr(layout, role)}, {d.dim})")
         setattr(layout, role, d.dim)
     layout.pipeline = plan.pipeline.dim if plan.pipeline is not None else None
-    layout.model = tuple(n for n in names if n not in layout.data and n != layout.pipeline)
+    idle = {d.dim for d in plan.data_parallel if size.get(d.dim) == 1}
+    layout.model = tuple(n for n in names if n not in layout.data and n not in idle and n != layout.pipeline)
     order = [names.index(d) for d in layout.data]
     if order != sorted(order) or (layout.model and order and max(order) > names.index(layout.model[0])):
         problems.append(
@@ -346,13 +379,14 @@ def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,
             return resolve_partial(out)
         return tree_map_only(torch.Tensor, lambda t: local_regions.convert(t, resolve_partial), out)
 
+    last = _LastConversion()
     for name, module in model.named_modules():
         layout = plan.layout_for(name)
         if layout is not None:  # first: a Partial output goes straight to the layout's
             # placement (Partial -> Shard is one reduce-scatter; via Replicate it would be
             # an all-reduce of twice the bytes and a slice)
             _register_layout_hooks(module, mesh, layout, as_dtensor,
-                                   lambda spec: _model_placements(spec, plan.mesh.names, model_dims))
+                                   lambda spec: _model_placements(spec, plan.mesh.names, model_dims), last)
         if any(True for _ in module.parameters()):
             module.register_forward_pre_hook(to_dtensors, with_kwargs=True)
             module.register_forward_hook(no_partial_outputs)
@@ -402,24 +436,55 @@ def _has_plain_tensor(values: Iterable[Any]) -> bool:
     return False
 
 
+class _LastConversion:
+    """The last module input a layout hook converted, and to what: the next module that reads
+    the same tensor in the same placements reuses the result.  q, k and v (gate and up)
+    projections read one normed hidden state; converting it once is one all-gather
+    forward and one reduce-scatter backward (autograd sums the three gradients first),
+    which is what the planner prices (one reshard per tensor and layout), not three.
+    Weak references: the cache keeps nothing alive."""
+
+    def __init__(self) -> None:
+        self._src: weakref.ref | None = None
+        self._out: weakref.ref | None = None
+        self._target: list[Placement] = []
+
+    def get(self, t: torch.Tensor, target: list[Placement]) -> torch.Tensor | None:
+        if self._src is None or self._src() is not t or self._target != target:
+            return None
+        return self._out() if self._out is not None else None
+
+    def put(self, t: torch.Tensor, target: list[Placement], out: torch.Tensor) -> torch.Tensor:
+        self._src, self._out, self._target = weakref.ref(t), weakref.ref(out), target
+        return out
+
+
 def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLayout,
                            as_dtensor: Callable[[torch.Tensor], DTensor],
-                           placements: Callable[[list[str]], list[Placement]]) -> None:
-    def redistribute(t: torch.Tensor, spec: list[str]) -> torch.Tensor:
+                           placements: Callable[[list[str]], list[Placement]],
+                           last: _LastConversion) -> None:
+    def redistribute(t: torch.Tensor, spec: list[str], shared: bool = False) -> torch.Tensor:
         target = placements(spec)
+        if shared and (done := last.get(t, target)) is not None:
+            return done
 
         def convert(t: torch.Tensor) -> torch.Tensor:
             t = as_dtensor(t)
-            return t if list(t.placements) == target else t.redistribute(mesh, target)
+            if list(t.placements) == target:
+                return t
+            special = any(p.is_partial() and type(p) is not Partial for p in t.placements)
+            t = t.redistribute(mesh, target)
+            return _GradNotPartial.apply(t) if special else t
 
-        return local_regions.convert(t, convert)
+        out = local_regions.convert(t, convert)
+        return last.put(t, target, out) if shared else out
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args and isinstance(args[0], torch.Tensor):
-            return (redistribute(args[0], layout.input), *args[1:]), kwargs
+            return (redistribute(args[0], layout.input, shared=True), *args[1:]), kwargs
         key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
         if key is not None:
-            kwargs = {**kwargs, key: redistribute(kwargs[key], layout.input)}
+            kwargs = {**kwargs, key: redistribute(kwargs[key], layout.input, shared=True)}
         return args, kwargs
 
     def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
@@ -433,6 +498,29 @@ def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLa
         module.register_forward_pre_hook(pre, with_kwargs=True)
     if layout.output is not None:
         module.register_forward_hook(post, with_kwargs=True)
+
+
+class _GradNotPartial(torch.autograd.Function):
+    """Identity forward; backward, a pending-sum gradient is summed (all-reduced) first.
+
+    Placed after a redistribution out of one of DTensor's special pending sums: a
+    vocabulary-sharded embedding's output is a MaskPartial, and the redistribution's
+    backward must turn the gradient back into the source's placement, which DTensor
+    refuses for a Partial gradient ("from one partial type (P(sum)) to another (MaskP)")
+    but does for a replicated or sharded one.  Without sequence parallelism the
+    gradient arrives as a pending sum from the column-parallel projections after the
+    first norm; with it, sharded (and then all-gathered all the same)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: DTensor) -> DTensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> DTensor:
+        if not any(p.is_partial() for p in grad.placements):
+            return grad
+        return grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p
+                                                    for p in grad.placements])
 
 
 def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tensor_parallel: bool) -> None:

@@ -19,6 +19,7 @@ _EXPORTS = {
     "PlanningError": "planner.search",
     "default_shape": "planner.search",
     "estimate": "planner.search",
+    "hand_plan": "planner.search",
     "plan": "planner.search",
     "trace": "planner.tracer",
 }

@@ -355,6 +355,25 @@ def _parameters(graph: nx.DiGraph, cand: Candidate) -> list[ParameterPlacement]:
     return [ParameterPlacement(fqn=k, placements=[*_lead(cand), *v]) for k, v in out.items()]
 
 
+def _settled(graph: nx.DiGraph, cand: Candidate, key: str) -> tuple[str, ...]:
+    """The layout anchor ``key``'s output leaves its module in: its own, unless that is a
+    pending sum (a row-parallel product, a vocabulary-parallel embedding) that every
+    consumer needs in one other layout, which the ILP prices as one reshard of the tensor.
+    The executor can only redistribute at module boundaries, and reduces a pending sum
+    leaving a module (all-reduce): the residual add that consumes ``o_proj``'s sum is no
+    module, so the plan has the module hand it over already in the layout wanted there
+    (sequence parallel: one reduce-scatter, not an all-reduce)."""
+    out = cand.solution.choice[key].out
+    if "P" not in out:
+        return out
+    unit_of = {n: k for k, u in cand.units.items() for n in u.nodes}
+    consumers = {unit_of[v] for n in cand.units[key].nodes for v in graph.successors(n)
+                 if unit_of.get(v, key) != key}
+    needed = {(cand.solution.choice[k].inp if cand.units[k].kind == "anchor"
+               else cand.solution.choice[k].out) for k in consumers}
+    return needed.pop() if len(needed) == 1 else out
+
+
 def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
     """Module boundaries where the layout is not plain data parallel (what apply reshards)."""
     seq = cand.ctx.seq_len
@@ -369,7 +388,7 @@ def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
             in_shape = d["in_shapes"][0] if d["short"] != "addmm" else d["in_shapes"][1]
             inp = ([*_lead(cand), *(concrete(x, in_shape, seq) for x in c.inp)]
                    if d["short"] != "embedding" else None)
-            outp = [*_lead(cand), *(concrete(x, d["shape"], seq) for x in c.out)]
+            outp = [*_lead(cand), *(concrete(x, d["shape"], seq) for x in _settled(graph, cand, key))]
             out[fqn_pattern(u.module)] = ModuleLayout(module=fqn_pattern(u.module), input=inp, output=outp)
         elif u.kind == "segment":
             for n in u.nodes:
@@ -525,6 +544,19 @@ def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 
              checkpointing: str = "none", schedule: str = "1f1b", virtual_stages: int = 1,
              batch_size: int | None = None, seq_len: int | None = None) -> Prediction:
     """Predicted step time and memory of a hand layout (TorchTitan/Megatron style)."""
+    return hand_plan(model, devices, profile, dp=dp, tp=tp, pp=pp, fsdp=fsdp, sp=sp,
+                     microbatches=microbatches, checkpointing=checkpointing, schedule=schedule,
+                     virtual_stages=virtual_stages, batch_size=batch_size, seq_len=seq_len).prediction
+
+
+def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 1, tp: int = 1,
+              pp: int = 1, fsdp: bool = False, sp: bool = False, microbatches: int = 1,
+              checkpointing: str = "none", schedule: str = "1f1b", virtual_stages: int = 1,
+              batch_size: int | None = None, seq_len: int | None = None) -> Plan:
+    """The plan of a hand layout (TorchTitan/Megatron style: projections column- then
+    row-parallel on tp, norms and the residual stream sequence-parallel with ``sp``),
+    with the prediction ``estimate`` reports for it."""
+    t0 = time.perf_counter()
     if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
         raise PlanningError(f"schedule: expected gpipe, 1f1b or interleaved-1f1b, got {schedule!r}")
     if virtual_stages < 1 or (virtual_stages > 1 and schedule != "interleaved-1f1b"):
@@ -570,4 +602,4 @@ def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 
                                 lambda _m: None, fixed=fixed, pins=hand)
     if best is None:
         raise PlanningError(f"devices: this layout does not fit{need}")
-    return best.prediction
+    return _assemble(model, graph, prof, devices, best, [], time.perf_counter() - t0)

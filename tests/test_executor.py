@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from _dist import make_plan, run_on_ranks
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -215,6 +215,11 @@ def references() -> dict[str, Any]:
 PLANNED_CASE = Case("llama", dropout=0.1)
 # name -> (mesh, profile): 4 ranks with 2 KV heads (uneven head sharding) planned for H100s.
 PLANNER_MESHES = {"tp4": ({"tp": 4}, "h100-sxm-80g")}
+# name -> planner.hand_plan's arguments: its TorchTitan layout shards the vocabulary of the
+# embedding and keeps its output a pending sum (a MaskPartial), whose gradient arrives
+# sharded with SP, and as a pending sum without (which DTensor cannot turn back into one)
+HAND_LAYOUTS = {"hand fsdp2 x tp2+SP": {"dp": 2, "tp": 2, "fsdp": True, "sp": True},
+                "hand dp2 x tp2": {"dp": 2, "tp": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +230,9 @@ def world4() -> dict[str, Any]:
                             seq_len=SEQ, mesh=mesh)
         plan.mesh.device_type = "cpu"  # the same plan, run on this machine's gloo ranks
         planned[name] = plan.to_json()
+    for name, layout in HAND_LAYOUTS.items():
+        planned[name] = planner.hand_plan("llama-tiny", devices=4, profile="cpu-gloo-local",
+                                          batch_size=BATCH, seq_len=SEQ, **layout).to_json()
     return run_on_ranks(4, spawn_world4, CASES_4, planned)[0]
 
 
@@ -264,7 +272,7 @@ def test_tensor_parallel_blocks_run_on_local_shards(world2: dict, world4: dict) 
     assert world2[Case("centered-mlp", {"tp": 2}, dropout=0.1).name]["local"] == []
 
 
-@pytest.mark.parametrize("mesh", list(PLANNER_MESHES))
+@pytest.mark.parametrize("mesh", [*PLANNER_MESHES, *HAND_LAYOUTS])
 def test_plans_from_the_planner_match_single_device(mesh: str, world4: dict, references: dict) -> None:
     _assert_matches(world4["planned"][mesh], references[PLANNED_CASE.name])
 
@@ -289,10 +297,10 @@ def _llama() -> nn.Module:
     return build(Case("llama"))
 
 
-def _refused(plan: Any, model: nn.Module) -> str:
+def _refused(plan: Any, model: nn.Module, **kwargs: Any) -> str:
     before = {n: p for n, p in model.named_parameters()}
     with pytest.raises(executor.PlanError) as e:
-        executor.apply(plan, model)
+        executor.apply(plan, model, **kwargs)
     after = dict(model.named_parameters())
     assert all(after[n] is p and not isinstance(p, DTensor) for n, p in before.items())
     return str(e.value)
@@ -347,6 +355,32 @@ def test_single_device_plan_without_process_group_is_the_plain_model() -> None:
     assert all(a is b for a, b in zip(before, model.parameters(), strict=True))
 
 
+def test_a_given_mesh_runs_the_plan_on_a_subgroup_of_the_world() -> None:
+    """``apply(plan, model, mesh=)`` runs a tp=2 plan on two ranks of a 4-rank world (a
+    job with a mesh of its own); a mesh that is not the plan's is refused, naming both.
+    (The dim is named ``pair``: DTensor's caches tell meshes apart by ranks and names,
+    not groups, so a later test's ``tp`` mesh on ranks 0-1 must not equal this one.)"""
+    torch.distributed.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        pair = torch.distributed.new_group([0, 1])
+        model = build(Case("llama", {"pair": 2}))
+        plan = make_plan(model, {"pair": 2})
+        assert "devices: the plan is for 2 devices, the process group has 4" in _refused(plan, model)
+        wrong = DeviceMesh.from_group(pair, "cpu", mesh_dim_names=("dp",))
+        assert ("mesh: the plan's mesh is {'pair': 2}, the given mesh is {'dp': 2}"
+                in _refused(plan, model, mesh=wrong))
+        mesh = DeviceMesh.from_group(pair, "cpu", mesh_dim_names=("pair",))
+        model = executor.apply(plan, model, mesh=mesh)
+        weight = model.model.layers[0].self_attn.q_proj.weight
+        assert weight.device_mesh == mesh and weight.placements == (Shard(0),)
+        ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        assert weight.grad.placements == (Shard(0),)
+    finally:
+        torch.distributed.destroy_process_group()
+        executor.rng.deactivate()
+
+
 # -- collectives the plan implies, and no more -----------------------------------------
 
 @contextmanager
@@ -362,6 +396,36 @@ def tp2_on_fake_group(sp: bool, checkpointing: str = "none") -> Iterator[nn.Modu
     finally:
         torch.distributed.destroy_process_group()
         executor.rng.deactivate()
+
+
+def test_the_planners_sequence_parallel_plan_issues_the_collectives_it_prices() -> None:
+    """``planner.hand_plan``'s TP+SP layout writes a layout per projection and keeps
+    row-parallel outputs as pending sums; run as written it issued an all-gather per
+    projection (q, k, v: three of one tensor) and an all-reduce at each residual add.
+    The planner prices one reshard per tensor and layout, and a reduce-scatter into the
+    residual stream: per layer one all-gather before attention and one before the MLP,
+    one reduce-scatter after each, forward and mirrored backward; plus the embedding's
+    reduce-scatter and the head's all-gather, and the vocabulary-parallel loss's two
+    all-reduces."""
+    layers = PRESETS["llama-tiny"]["num_hidden_layers"]
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        plan = planner.hand_plan("llama-tiny", devices=2, profile="cpu-gloo-local", tp=2, sp=True,
+                                 batch_size=BATCH, seq_len=SEQ)
+        model = executor.apply(plan, build(Case("llama")))
+        ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+        with CommDebugMode() as comm:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        forward = {op.__name__: n for op, n in comm.get_comm_counts().items()}
+        with CommDebugMode() as comm:
+            loss.backward()
+        backward = {op.__name__: n for op, n in comm.get_comm_counts().items()}
+    finally:
+        torch.distributed.destroy_process_group()
+        executor.rng.deactivate()
+    gathers = scatters = 2 * layers + 1
+    assert forward == {"all_gather_into_tensor": gathers, "reduce_scatter_tensor": scatters, "allreduce_": 2}
+    assert backward["all_gather_into_tensor"] == gathers and backward["reduce_scatter_tensor"] == scatters
 
 
 @pytest.mark.parametrize("learned", [False, True], ids=["dtensor", "local-blocks"])
