@@ -32,6 +32,7 @@ import platform
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -73,6 +74,7 @@ OVERLAP_BYTES = 8 * 2**20  # a layer's gradients or parameters in the fidelity m
 _OVERLAP_COMPUTE = 3  # the compute alone takes ~3x the collective alone: room to hide it
 CHUNK_S = 0.01  # compute between two blocking collectives (timed_between_compute), wall s
 _MIN_TIME_S = 1e-6  # floor of a timing: the fits divide by t, noise must not make it <= 0
+_TINY_TOKENS = 8  # host-time models train on so few tokens that no kernel does measurable work
 
 
 def _repeats(nbytes: int) -> int:
@@ -185,16 +187,12 @@ def measure_redistribute_overhead(world: int) -> float:
     """
     mesh = init_device_mesh("cpu", (world,))
     x = torch.ones(world * 64)
-
-    def dtensor(src: Placement, dst: Placement) -> Callable[[], object]:
-        return lambda: DTensor.from_local(x, mesh, [src], run_check=False).redistribute(
-            mesh, [dst]).to_local()
-
-    pairs = [
-        (dtensor(Partial(), Replicate()), lambda: dist.all_reduce(x.clone())),
-        (dtensor(Shard(0), Replicate()), lambda: _ALL_GATHER(torch.empty(world * x.numel()), x)),
-        (dtensor(Partial(), Shard(0)), lambda: _REDUCE_SCATTER(torch.empty(x.numel() // world), x)),
-    ]
+    ours = _round_trips(mesh, x)
+    pairs = list(zip(ours, [
+        lambda: dist.all_reduce(x.clone()),
+        lambda: _ALL_GATHER(torch.empty(world * x.numel()), x),
+        lambda: _REDUCE_SCATTER(torch.empty(x.numel() // world), x),
+    ], strict=True))
 
     def cpu_per_call(fn: Callable[[], object]) -> float:
         fn()
@@ -207,9 +205,91 @@ def measure_redistribute_overhead(world: int) -> float:
         return statistics.median(per)
 
     extra = statistics.mean(cpu_per_call(ours) - cpu_per_call(raw) for ours, raw in pairs)
-    local = dtensor(Replicate(), Shard(0))  # no collective: wall / CPU is the core share
+    local = _round_trip(mesh, x, Replicate(), Shard(0))  # no collective: wall / CPU is the core share
     share = _median_time(local) / max(cpu_per_call(local), _MIN_TIME_S)
     return max(0.0, extra * max(1.0, share))
+
+
+def _round_trip(mesh: DeviceMesh, x: torch.Tensor, src: Placement, dst: Placement) -> Callable[[], object]:
+    """One executor-boundary redistribution: ``x`` in as ``src``, out as ``dst``, local."""
+    return lambda: DTensor.from_local(x, mesh, [src], run_check=False).redistribute(mesh, [dst]).to_local()
+
+
+def _round_trips(mesh: DeviceMesh, x: torch.Tensor) -> list[Callable[[], object]]:
+    """All-reduce (P -> R), all-gather (S(0) -> R) and reduce-scatter (P -> S(0)) of ``x``."""
+    return [_round_trip(mesh, x, src, dst)
+            for src, dst in ((Partial(), Replicate()), (Shard(0), Replicate()), (Partial(), Shard(0)))]
+
+
+def _tensor_parallel_tiny(world: int) -> dict[str, Any]:
+    """llama-tiny's shape with every dim tensor parallelism splits a multiple of ``world``."""
+    from planner.presets import PRESETS
+
+    return {**PRESETS["llama-tiny"], "num_attention_heads": world, "num_key_value_heads": world,
+            "hidden_size": 8 * world, "intermediate_size": 16 * world, "vocab_size": 32 * world}
+
+
+def measure_dtensor_node_host(world: int) -> float:
+    """Host seconds per traced graph node, forward + backward, that running a model's
+    activations as DTensors adds (``executor.apply`` with a model-parallel mesh dim):
+    DTensor's dispatch of every op and of its backward, and the executor's conversions
+    at module boundaries.  ``measure_op_overhead``'s AdamW mix prices an optimizer's
+    elementwise ops; a model's (matmuls, views, rotary embedding, the loss) cost DTensor
+    ~3x more each: priced with the AdamW figure, the fidelity bench's tensor-parallel
+    layouts ran ~40% above their predicted compute with collectives made no-ops.
+
+    A tiny Llama (``_tensor_parallel_tiny``) trains on ``_TINY_TOKENS`` tokens, where no
+    kernel does measurable work, under ``planner.hand_plan``'s tensor-parallel layout (no
+    sequence parallelism: fewer redistributions to take off) on
+    all ``world`` ranks, on a mesh over torch's fake process group: collectives are
+    no-ops there, so the step is host time.  Taken off it: the plain model's step (its
+    host time is ``node_host_s``), and each redistribution the step issues at the time
+    of one on that mesh (a ``from_local -> redistribute -> to_local`` round trip, mean of
+    the three kinds: ``dtensor_redistribute_s`` prices those).  The rest, per traced
+    node.  Call on every rank (it creates process groups)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers backend "fake"
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import executor
+    from planner import hand_plan
+    from planner.presets import build_model, load_config
+    from planner.schema import Plan
+    from planner.tracer import totals, trace
+
+    config = _tensor_parallel_tiny(world)
+    plan = hand_plan(config, world, "cpu-gloo-local", tp=world, batch_size=1,
+                     seq_len=_TINY_TOKENS).model_dump()
+    # DTensor's caches tell meshes apart by ranks and dim names, not by process group: a
+    # fake mesh named like a real one over the same ranks (a training job's "tp") could
+    # hand that mesh's ops its no-op collectives.  Names of its own keep them apart.
+    for d in plan["mesh"]["dims"]:
+        d["name"] = f"fake_{d['name']}"
+    for d in plan["data_parallel"]:
+        d["dim"] = f"fake_{d['dim']}"
+    plan = Plan.model_validate(plan)
+    fake = dist.new_group(backend="fake")
+    own = dist.new_subgroups(1, backend="fake")[0]
+    mesh = DeviceMesh.from_group([own, fake], "cpu", mesh=torch.arange(world).view(1, world),
+                                 mesh_dim_names=plan.mesh.names)
+    ids = torch.zeros(1, _TINY_TOKENS, dtype=torch.long)
+
+    def step_of(model: torch.nn.Module) -> Callable[[], None]:
+        return lambda: model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    plain = _median_time(step_of(build_model(load_config(config), "cpu").train()))
+    sharded = step_of(executor.apply(plan, build_model(load_config(config), "cpu").train(), mesh=mesh))
+    with warnings.catch_warnings():
+        # HF outputs are dataclasses: torch warns that the executor's module backward hooks
+        # see no tensor output, once per call site; harmless, and not the user's concern
+        warnings.simplefilter("ignore", UserWarning)
+        sharded()
+        with CommDebugMode() as comm:
+            sharded()
+        t_sharded = _median_time(sharded)
+    redistribute = statistics.mean(_median_time(f) for f in _round_trips(mesh[plan.mesh.names[-1]],
+                                                                          torch.ones(world * 64)))
+    extra = t_sharded - plain - comm.get_total_counts() * redistribute
+    return max(0.0, extra / totals(trace(config, 1, _TINY_TOKENS))["nodes"])
 
 
 def cold_gemm_time(m: int, k: int, n: int, dtype: torch.dtype = torch.float32) -> float:
@@ -322,12 +402,12 @@ def measure_node_host() -> float:
     from planner.tracer import totals, trace
 
     model = build_model(load_config("llama-tiny"), "cpu").train()
-    ids = torch.zeros(1, 8, dtype=torch.long)
+    ids = torch.zeros(1, _TINY_TOKENS, dtype=torch.long)
 
     def step() -> None:
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
-    return _median_time(step) / totals(trace("llama-tiny", 1, 8))["nodes"]
+    return _median_time(step) / totals(trace("llama-tiny", 1, _TINY_TOKENS))["nodes"]
 
 
 # Two Llamas of 2 layers for FSDP2's overhead: llama-tiny (0.1 MB of weights: the fixed
@@ -395,6 +475,7 @@ def measure_device(world: int) -> dict[str, Any]:
     out["node_host"] = together(measure_node_host)
     out["fsdp"] = together(measure_fsdp_overhead)
     out["redistribute"] = together(lambda: measure_redistribute_overhead(world))
+    out["dtensor_node"] = together(lambda: measure_dtensor_node_host(world))
     return out
 
 
@@ -639,7 +720,7 @@ def _device_constants(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         return statistics.median(values)
 
     scalars = ("floor", "dtensor", "redistribute", "bandwidth", "fresh_pages", "exp", "attention",
-               "node_host")
+               "node_host", "dtensor_node")
     out: dict[str, Any] = {k: med([r[k] for r in per_rank]) for k in scalars}
     out["fsdp"] = {mode: tuple(med([r["fsdp"][mode][i] for r in per_rank]) for i in range(2))
                    for mode in per_rank[0]["fsdp"]}
@@ -779,7 +860,8 @@ def profile_from_job(
         + " GFLOP/s peak (narrow outputs: " + ", ".join(f"{n} cols x{f:.2f}" for n, f in device["columns"])
         + f"); copy {device['bandwidth'] / 1e9:.1f} GB/s, fresh pages "
         f"{device['fresh_pages'] * 1e9:.2f} ms/MB; exp {device['exp'] / 1e9:.2f} G/s; attention {device['attention'] / 1e9:.1f} GFLOP/s; "
-        f"host {device['node_host'] * 1e6:.0f} us per graph node; FSDP2 " + ", ".join(
+        f"host {device['node_host'] * 1e6:.0f} us per graph node, DTensor activations "
+        f"+{device['dtensor_node'] * 1e6:.0f} us; FSDP2 " + ", ".join(
             f"{m} {u * 1e3:.1f} ms/unit + {b * 1e9:.2f} ms/MB" for m, (u, b) in device["fsdp"].items())
         + f"; op dispatch "
         f"{device['floor'] * 1e6:.1f} us, DTensor +{device['dtensor'] * 1e6:.1f} us, "
@@ -803,6 +885,7 @@ def profile_from_job(
         transcendental_rate=device["exp"],
         attention_efficiency=min(1.0, device["attention"] / peaks["fp32"]),
         node_host_s=device["node_host"],
+        dtensor_node_host_s=device["dtensor_node"],
         fsdp_overhead={mode: {"unit_s": u, "byte_s": b} for mode, (u, b) in device["fsdp"].items()},
         kernel_floor_s=device["floor"],
         dtensor_op_overhead_s=device["dtensor"],
@@ -818,7 +901,7 @@ def profile_from_job(
         f"measured by `meshplan calibrate` on {platform.node()} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
-        f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {COPY_BYTES >> 20} MB copies and exps, {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
+        f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {COPY_BYTES >> 20} MB copies and exps, {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, plain and tensor-parallel on all ranks over a fake process group (less its redistributions), FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
         f"AdamW steps on {_OPTIMIZER_TENSORS} tiny DTensor vs plain parameters, "
         f"{256 * ranks} B DTensor redistributions vs raw collectives (thread CPU time x core share), timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
         f"overlap_exposure: {OVERLAP_BYTES >> 20} MB all-reduce / all-gather issued asynchronously beside "

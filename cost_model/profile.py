@@ -184,6 +184,16 @@ class Profile(_Strict):
         "measured on a model too small to compute; on a CPU it replaces kernel_floor_s "
         "for the model's ops (half each way, views included). None: kernel_floor_s per op",
     )
+    dtensor_node_host_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="extra eager host time per traced graph node, forward + backward, when "
+        "the executor runs the activations as DTensors (a model-parallel mesh dim): "
+        "DTensor's dispatch of the op and its backward, the executor's conversions at "
+        "module boundaries; measured on a tiny tensor-parallel Llama whose collectives are "
+        "no-ops (redistributions: dtensor_redistribute_s). Used with node_host_s; None: "
+        "dtensor_op_overhead_s per op each way",
+    )
     fsdp_overhead: dict[Literal["replicate", "fully_shard"], FsdpOverhead] = Field(
         default_factory=dict,
         description="host time FSDP2 adds per micro-batch, by data-parallel mode "

@@ -181,8 +181,11 @@ def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int,
     # the executor runs activations as DTensors on the model (non-dp) mesh dims
     dtensor = any(ctx.mesh_shape[i] > 1 for i in ctx.free_dims)
     # where the profile measured eager host time per graph node (CPU), every node,
-    # views included, costs its half each way; else each kernel costs kernel_floor_s
+    # views included, costs its half each way, and DTensor's share per node with it;
+    # else each kernel costs kernel_floor_s, plus dtensor_op_overhead_s on DTensors
     host = None if ctx.profile.node_host_s is None else ctx.profile.node_host_s / 2
+    if host is not None and dtensor and ctx.profile.dtensor_node_host_s is not None:
+        host, dtensor = host + ctx.profile.dtensor_node_host_s / 2, False
     for d, mult in nodes:
         fwd, bwd, f_bytes, b_bytes, f_trans, b_trans = _scaled(ctx, d)
         f_bytes, b_bytes = f_bytes * scale, b_bytes * scale

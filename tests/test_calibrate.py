@@ -81,7 +81,7 @@ def test_fit_excludes_the_staging_pages_comm_adds_back():
 
     rank = {"floor": 2e-6, "dtensor": 3e-5, "redistribute": 1e-3, "bandwidth": 1e10,
             "fresh_pages": byte_s, "exp": 5e8, "attention": 1e10, "node_host": 1e-4,
-            "fp32": [(1e6, 2e10), (1e9, 4e10)], "bf16": None, "columns": [(32, 0.5), (256, 1.0)],
+            "dtensor_node": 2e-4, "fp32": [(1e6, 2e10), (1e9, 4e10)], "bf16": None, "columns": [(32, 0.5), (256, 1.0)],
             "fsdp": {"replicate": (1e-3, 1e-10), "fully_shard": (2e-3, 2e-10)}}
     result = {"ranks": 4, "device": [rank] * 4, "overlap": 1.0,
               "collectives": {4: [(k, n, measured(k, n)) for k in COLLECTIVE_KINDS for n in sizes]}}
@@ -141,5 +141,8 @@ def test_calibrate_small_run_writes_a_loadable_profile(tmp_path):
     assert sorted(columns) == list(COLUMN_SIZES)
     assert columns[COLUMN_SIZES[0]] < columns[COLUMN_SIZES[-1]]
     assert profile.node_host_s > profile.kernel_floor_s
+    # DTensor activations (tensor parallel over the 2 ranks, on a fake process group) add
+    # host time per node, more than the AdamW mix's per op each way (~3x here)
+    assert profile.dtensor_node_host_s > profile.dtensor_op_overhead_s
     assert set(profile.fsdp_overhead) == {"replicate", "fully_shard"}
     assert all(o.unit_s + o.byte_s > 0 for o in profile.fsdp_overhead.values())
