@@ -13,11 +13,22 @@ machine shared with other jobs the load changes within minutes; calibrating in t
 same job, between the steps, measures the primitives under the load the steps see.  The 4 ranks are
 spawned once; inside them every layout trains the same model on the same global batch
 (forward, backward, AdamW step; the layouts' steps interleaved, round-robin, so the
-shared machine's load drift hits them alike) through ``executor.apply`` with the hand
-Megatron/TorchTitan plans of ``tests/_dist.make_plan`` (imported, not copied, so the
-bench runs exactly the plans the executor tests check for single-device equality).
-Each layout is predicted by ``planner.estimate`` with the same profile: the planner's
-own cost function with the placements pinned.  Nothing here adjusts a constant.
+shared machine's load drift hits them alike) through ``executor.apply`` with the plan
+``planner.hand_plan`` writes for the layout (TorchTitan's: vocabulary-parallel embedding
+and head, column- then row-parallel projections, SP where asked; the executor tests
+train two of them against one device).  Each layout is predicted as that plan's own
+prediction under the calibrated profile (``planner.estimate``: the planner's cost
+function with the placements pinned; the table says whether the plan it prices is the
+one that ran).  Nothing here adjusts a constant.
+
+Then the same steps run once more on 4 processes over torch's fake process group, whose
+collectives are no-ops (``--no-comm-steps``): what a layout's step costs without
+communication, against the predicted compute + optimizer; the gloo step less this is
+the time communication added, against the predicted exposed communication.  The fake
+group still runs DTensor's host work around each redistribution, which the model
+prices as communication (``dtensor_redistribute_s``), so that column pair is not
+exact; and the two phases run minutes apart (the local reference, timed in both, shows
+the drift).
 
 Besides the strict ranking, the table lists each pair the prediction orders against the
 measured medians, with the rounds in which the measured order held: the layouts' steps
@@ -77,7 +88,6 @@ from cost_model.comm import collective_time
 from cost_model.compute import column_factor, gemm_efficiency
 from cost_model.profile import load_profile
 from planner.presets import build_model, load_config
-from tests._dist import make_plan
 
 WORLD = 4
 BATCH, SEQ = 8, 128
@@ -89,6 +99,7 @@ MODEL = {
     "vocab_size": 4096, "max_position_embeddings": SEQ, "tie_word_embeddings": False,
 }
 LOCAL = "local compute"  # the communication-free reference case
+RUN_PROFILE = "cpu-gloo-local"  # the profile the plans that run are written with
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 MESSAGE_SIZES = (64 * 2**10, 2**20, 8 * 2**20, 64 * 2**20)
 
@@ -100,10 +111,10 @@ class Layout:
     fsdp: bool = False
     sp: bool = False
 
-    def estimate(self, profile: dict) -> planner.Prediction:
-        return planner.estimate(MODEL, devices=WORLD, profile=profile,
-                                dp=self.mesh.get("dp", 1), tp=self.mesh.get("tp", 1),
-                                fsdp=self.fsdp, sp=self.sp, batch_size=BATCH, seq_len=SEQ)
+    def plan(self, profile: Any = RUN_PROFILE) -> planner.Plan:
+        return planner.hand_plan(MODEL, devices=WORLD, profile=profile,
+                                 dp=self.mesh.get("dp", 1), tp=self.mesh.get("tp", 1),
+                                 fsdp=self.fsdp, sp=self.sp, batch_size=BATCH, seq_len=SEQ)
 
 
 LAYOUTS = (
@@ -148,19 +159,26 @@ def _timed_round_robin(steps_of: dict[str, Callable[[], list[float]]], warmup: i
     return out
 
 
-def _training_step(layout: Layout | None, ids: torch.Tensor) -> Callable[[], list[float]]:
-    """The model under ``layout`` (``None``: a plain model on the DP local batch, no
+def _training_step(plan: str | None, ids: torch.Tensor) -> Callable[[], list[float]]:
+    """The model under ``plan`` (JSON; ``None``: a plain model on the DP local batch, no
     communication: the compute a DP rank does, under the same contention) and its step."""
     executor.rng.manual_seed(1234)
     model = build_model(load_config(MODEL), device="cpu").train()
-    if layout is None:
+    if plan is None:
         ids = ids[: BATCH // WORLD]
     else:
-        plan = make_plan(model, layout.mesh, fsdp=layout.fsdp, sp=layout.sp,
-                         batch_size=BATCH, seq_len=SEQ)
-        model = executor.apply(plan, model)
+        model = executor.apply(planner.Plan.from_json(plan), model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return lambda: _phases(model, opt, ids)
+
+
+def _steps(plans: dict[str, str]) -> dict[str, Callable[[], list[float]]]:
+    """Every layout's training step and the local reference's, on the same global batch."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=g)
+    steps_of = {name: _training_step(plan, ids) for name, plan in plans.items()}
+    steps_of[LOCAL] = _training_step(None, ids)
+    return steps_of
 
 
 def _collectives_per_step(step: Callable[[], list[float]]) -> dict[str, int]:
@@ -205,18 +223,31 @@ def _all_ranks(value: Any) -> list[Any]:
     return out
 
 
-def _worker(rank: int, init_file: str, out: str, warmup: int, steps: int, repeats: int,
-            calibrate: bool) -> None:
+def _rank_setup() -> None:
     torch.set_num_threads(1)  # 4 ranks on 2 cores: one thread each, as the executor tests run
     # HF outputs are dataclasses, so torch warns on every step that module backward hooks
     # (the executor's) see no tensor output; harmless here and it would bury the tables.
     warnings.filterwarnings("ignore", category=UserWarning)
+
+
+def _fake_worker(rank: int, plans: dict[str, str], out: str, warmup: int, steps: int) -> None:
+    """The same steps over torch's fake process group (collectives are no-ops)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    _rank_setup()
+    dist.init_process_group("fake", rank=rank, world_size=WORLD, store=FakeStore())
+    try:
+        torch.save(_timed_round_robin(_steps(plans), warmup, steps), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, plans: dict[str, str], init_file: str, out: str, warmup: int, steps: int,
+            repeats: int, calibrate: bool) -> None:
+    _rank_setup()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        g = torch.Generator().manual_seed(7)
-        ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=g)
-        steps_of = {layout.name: _training_step(layout, ids) for layout in LAYOUTS}
-        steps_of[LOCAL] = _training_step(None, ids)
+        steps_of = _steps(plans)
         # calibration between the thirds of the steps: the collectives in the middle, the
         # device constants (GEMM rate, host time per op, ...) after every third, their
         # median over the three taken: this VM's speed drifts by 20-30% within minutes
@@ -302,7 +333,12 @@ def _load() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-def _step_table(results: list[dict], profile: dict) -> None:
+def _same_plan(a: planner.Plan, b: planner.Plan) -> bool:
+    return a.parameters == b.parameters and a.modules == b.modules and a.mesh == b.mesh
+
+
+def _step_table(results: list[dict], priced: dict[str, planner.Plan], ran: dict[str, str],
+                profile: dict) -> None:
     print(f"\n== Step time: Llama h256 L4 heads 8/4 ffn 768 vocab 4096, batch {BATCH} x seq {SEQ}, "
           f"{WORLD} gloo ranks, forward+backward+AdamW ==")
     print(f"{'layout':<16}{'measured s':>11}{'min s':>7}{'predicted s':>12}{'error':>8}   "
@@ -313,7 +349,7 @@ def _step_table(results: list[dict], profile: dict) -> None:
     for layout in LAYOUTS:
         steps = _slowest_rank([r["times"][layout.name] for r in results])
         fwd, bwd, opt, step, cpu = _medians(steps)
-        t = layout.estimate(profile).time
+        t = priced[layout.name].prediction.time
         measured.append(step)
         per_round.append([s[3] for s in steps])
         fastest.append(min(s[3] for s in steps))
@@ -331,6 +367,10 @@ def _step_table(results: list[dict], profile: dict) -> None:
           f"identical ranking: {same}")
     print("  measured order : " + " < ".join(names[i] for i in _rank_order(measured)))
     print("  predicted order: " + " < ".join(names[i] for i in _rank_order(predicted)))
+    differ = [n for n in names if not _same_plan(priced[n], planner.Plan.from_json(ran[n]))]
+    print("  the plans priced are the plans that ran" if not differ else
+          f"  under the calibrated profile the planner writes other placements for {differ} "
+          f"than those that ran ({RUN_PROFILE}'s); predicted: the calibrated profile's")
     swapped = _discordant(names, per_round, measured, predicted)
     for text, sep in swapped:
         print(f"  {text}: {'separated' if sep else 'not separated'} by the rounds (sign test, 5%)")
@@ -353,6 +393,38 @@ def _step_table(results: list[dict], profile: dict) -> None:
         print(f"GEMM fp32 {name}: the profile's rate {rate / 1e9:.1f} GFLOP/s per rank; measured now "
               f"in the {WORLD} ranks at once (1 thread each): median rank {statistics.median(rates) / 1e9:.1f}, "
               f"fastest {max(rates) / 1e9:.1f} GFLOP/s")
+
+
+def _no_comm_table(no_comm: list[dict], results: list[dict], predicted: dict[str, planner.Plan],
+                   profile: dict) -> None:
+    """Each layout's step without communication against the predicted compute +
+    optimizer, and what communication added in the gloo run against the predicted
+    exposed communication."""
+    def step_of(per_rank: list[dict], name: str) -> float:
+        return _medians(_slowest_rank([r[name] for r in per_rank]))[3]
+
+    drift = step_of(no_comm, LOCAL) / step_of([r["times"] for r in results], LOCAL) - 1
+    print(f"\n== Without communication: the same steps on {WORLD} processes over torch's fake "
+          f"process group (no-op collectives), {len(no_comm[0][LOCAL])} rounds ==")
+    print(f"the local reference ran {drift:+.0%} against the gloo phase (machine drift between the two)")
+    print("predicted: compute + optimizer + DTensor's host time around each collective it issues "
+          "(dtensor_redistribute_s x the step's DTensor collectives), which the fake group runs too; "
+          "the model counts it as communication")
+    print(f"{'layout':<16}{'no-comm s':>10}{'predicted':>10}{'error':>8}   "
+          f"{'gloo - no-comm':>15}{'predicted':>10}{'error':>8}")
+    print(f"{'':<16}{'(compute and host)':>28}   {'(communication added, exposed)':>33}")
+    for layout in LAYOUTS:
+        t = predicted[layout.name].prediction.time
+        alone, gloo = step_of(no_comm, layout.name), step_of([r["times"] for r in results], layout.name)
+        # DTensor's collectives are the functional ones; FSDP2's and the loss's are c10d's
+        # in-place ops (a trailing underscore)
+        issued = sum(n for op, n in results[0]["collectives"][layout.name].items() if not op.endswith("_"))
+        host = issued * profile["dtensor_redistribute_s"]
+        compute = t.compute_s + t.optimizer_s + host
+        comm = gloo - alone
+        print(f"{layout.name:<16}{alone:>10.3f}{compute:>10.3f}{compute / alone - 1:>+8.0%}   "
+              f"{comm:>15.3f}{t.exposed_communication_s - host:>10.3f}"
+              f"{(t.exposed_communication_s - host - comm) / max(comm, 1e-3):>+8.0%}")
 
 
 def _collective_table(results: list[dict], profile: dict) -> None:
@@ -386,21 +458,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per layout")
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats per collective size")
+    ap.add_argument("--no-comm-steps", type=int, default=4,
+                    help="timed steps per layout on the fake process group")
     args = ap.parse_args(argv)
     print(f"start {time.strftime('%H:%M:%S UTC', time.gmtime())}; load average {_load()} "
           f"({os.cpu_count()} CPUs)")
+    plans = {layout.name: layout.plan().to_json() for layout in LAYOUTS}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pt")
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), out, args.warmup, args.steps, args.repeats,
-                                args.profile is None), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(plans, os.path.join(tmp, "init"), out, args.warmup, args.steps,
+                                args.repeats, args.profile is None), nprocs=WORLD, join=True)
         results = torch.load(out, weights_only=False)
+        print(f"gloo phase done {time.strftime('%H:%M:%S UTC', time.gmtime())}; no-communication phase ...")
+        mp.spawn(_fake_worker, args=(plans, out, args.warmup, args.no_comm_steps), nprocs=WORLD, join=True)
+        no_comm = [torch.load(f"{out}.{r}", weights_only=False) for r in range(WORLD)]
     if args.profile is None:
         measured = profile_from_job(args.save_profile.stem, results[0]["job"], MESSAGE_SIZES)
         args.save_profile.write_text(measured.model_dump_json(indent=2) + "\n")
         args.profile = args.save_profile
     profile = load_profile(args.profile).model_dump()
     print(f"profile: {args.profile} ({profile['source']})")
-    _step_table(results, profile)
+    predicted = {layout.name: layout.plan(profile) for layout in LAYOUTS}
+    _step_table(results, predicted, plans, profile)
+    _no_comm_table(no_comm, results, predicted, profile)
     _collective_table(results, profile)
     print(f"\nend {time.strftime('%H:%M:%S UTC', time.gmtime())}; load average {_load()}")
 
