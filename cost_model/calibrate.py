@@ -235,8 +235,9 @@ def measure_dtensor_node_host(world: int) -> float:
     DTensor's dispatch of every op and of its backward, and the executor's conversions
     at module boundaries.  ``measure_op_overhead``'s AdamW mix prices an optimizer's
     elementwise ops; a model's (matmuls, views, rotary embedding, the loss) cost DTensor
-    ~3x more each: priced with the AdamW figure, the fidelity bench's tensor-parallel
-    layouts ran ~40% above their predicted compute with collectives made no-ops.
+    about twice as much each way (132-290 us per node here, against 34-89 us per op):
+    priced with the AdamW figure, the fidelity bench's tensor-parallel layouts ran ~40%
+    above their predicted compute with collectives made no-ops.
 
     A tiny Llama (``_tensor_parallel_tiny``) trains on ``_TINY_TOKENS`` tokens, where no
     kernel does measurable work, under ``planner.hand_plan``'s tensor-parallel layout (no
