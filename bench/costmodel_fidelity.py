@@ -334,7 +334,10 @@ def _load() -> str:
 
 
 def _same_plan(a: planner.Plan, b: planner.Plan) -> bool:
-    return a.parameters == b.parameters and a.modules == b.modules and a.mesh == b.mesh
+    """Whether two plans run alike (their predictions and solver statistics aside)."""
+    keep = {"mesh", "parameters", "modules", "data_parallel", "pipeline", "microbatches",
+            "activation_checkpointing"}
+    return a.model_dump(include=keep) == b.model_dump(include=keep)
 
 
 def _step_table(results: list[dict], priced: dict[str, planner.Plan], ran: dict[str, str],

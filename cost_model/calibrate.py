@@ -25,6 +25,7 @@ quietest moment.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import itertools
 import math
 import os
@@ -229,6 +230,18 @@ def _tensor_parallel_tiny(world: int) -> dict[str, Any]:
             "hidden_size": 8 * world, "intermediate_size": 16 * world, "vocab_size": 32 * world}
 
 
+@functools.cache
+def _fake_mesh(world: int, names: tuple[str, ...]) -> DeviceMesh:
+    """A (1, ``world``) mesh over torch's fake process group, made once per process (its
+    groups live as long as the job's).  Call on every rank (it creates process groups)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers backend "fake"
+
+    fake = dist.new_group(backend="fake")
+    own = dist.new_subgroups(1, backend="fake")[0]
+    return DeviceMesh.from_group([own, fake], "cpu", mesh=torch.arange(world).view(1, world),
+                                 mesh_dim_names=names)
+
+
 def measure_dtensor_node_host(world: int) -> float:
     """Host seconds per traced graph node, forward + backward, that running a model's
     activations as DTensors adds (``executor.apply`` with a model-parallel mesh dim):
@@ -248,7 +261,6 @@ def measure_dtensor_node_host(world: int) -> float:
     of one on that mesh (a ``from_local -> redistribute -> to_local`` round trip, mean of
     the three kinds: ``dtensor_redistribute_s`` prices those).  The rest, per traced
     node.  Call on every rank (it creates process groups)."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers backend "fake"
     from torch.distributed.tensor.debug import CommDebugMode
 
     import executor
@@ -268,10 +280,7 @@ def measure_dtensor_node_host(world: int) -> float:
     for d in plan["data_parallel"]:
         d["dim"] = f"fake_{d['dim']}"
     plan = Plan.model_validate(plan)
-    fake = dist.new_group(backend="fake")
-    own = dist.new_subgroups(1, backend="fake")[0]
-    mesh = DeviceMesh.from_group([own, fake], "cpu", mesh=torch.arange(world).view(1, world),
-                                 mesh_dim_names=plan.mesh.names)
+    mesh = _fake_mesh(world, plan.mesh.names)
     ids = torch.zeros(1, _TINY_TOKENS, dtype=torch.long)
 
     def step_of(model: torch.nn.Module) -> Callable[[], None]:
@@ -287,9 +296,12 @@ def measure_dtensor_node_host(world: int) -> float:
         with CommDebugMode() as comm:
             sharded()
         t_sharded = _median_time(sharded)
+    # DTensor's redistributions are the functional collectives; the vocabulary-parallel
+    # loss's are c10d's in-place ones (a trailing underscore), no-ops here like any other
+    issued = sum(n for op, n in comm.get_comm_counts().items() if not str(op).endswith("_"))
     redistribute = statistics.mean(_median_time(f) for f in _round_trips(mesh[plan.mesh.names[-1]],
                                                                           torch.ones(world * 64)))
-    extra = t_sharded - plain - comm.get_total_counts() * redistribute
+    extra = t_sharded - plain - issued * redistribute
     return max(0.0, extra / totals(trace(config, 1, _TINY_TOKENS))["nodes"])
 
 

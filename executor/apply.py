@@ -2,10 +2,10 @@
 
 How the plan is realised (see docs/executor.md for the user-facing rules):
 
-* Mesh dims named in ``plan.data_parallel`` are data-parallel: the batch is sliced
-  over them (executor.data) and FSDP2 ``fully_shard`` runs over them (``fully_shard``
-  mode shards parameters on the plan's ``S(d)``; ``replicate`` mode is HSDP's
-  replicate dim).  Every other dim belongs to the *model mesh*: parameters become
+* Mesh dims named in ``plan.data_parallel`` (of size > 1; size-1 ones are ignored) are
+  data-parallel: the batch is sliced over them (executor.data) and FSDP2
+  ``fully_shard`` runs over them (``fully_shard`` mode shards parameters on the plan's
+  ``S(d)``; ``replicate`` mode is HSDP's replicate dim).  Every other dim belongs to the *model mesh*: parameters become
   DTensors with the plan's placements there.
 * On the model mesh, activations are DTensors too.  Tensors entering any module that
   holds DTensor parameters are made Replicate DTensors if they are plain, so DTensor
@@ -156,8 +156,10 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
 
 def _mesh_problems(plan: Plan, mesh: DeviceMesh, layout: _Layout) -> list[str]:
     """A given mesh must be the plan's: the same dims in order, sizes and device type."""
-    given = dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=True))
     want = dict(zip(plan.mesh.names, plan.mesh.shape, strict=True))
+    if mesh.mesh_dim_names is None:
+        return [f"mesh: the given mesh {tuple(mesh.shape)} has no dim names; the plan's mesh is {want}"]
+    given = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
     out = []
     if list(given.items()) != list(want.items()):
         out.append(f"mesh: the plan's mesh is {want}, the given mesh is {given or tuple(mesh.shape)}")
@@ -368,9 +370,7 @@ def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,
         return tree_map_only(torch.Tensor, lambda t: local_regions.convert(t, as_dtensor), (args, kwargs))
 
     def resolve_partial(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, DTensor) or not any(p.is_partial() for p in t.placements):
-            return t
-        return t.redistribute(mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+        return _summed(t) if isinstance(t, DTensor) else t
 
     def no_partial_outputs(module: nn.Module, args: tuple, out: Any) -> Any:
         # A pending sum leaving a module would be reduced wherever DTensor next needs
@@ -438,25 +438,31 @@ def _has_plain_tensor(values: Iterable[Any]) -> bool:
 
 class _LastConversion:
     """The last module input a layout hook converted, and to what: the next module that reads
-    the same tensor in the same placements reuses the result.  q, k and v (gate and up)
-    projections read one normed hidden state; converting it once is one all-gather
-    forward and one reduce-scatter backward (autograd sums the three gradients first),
-    which is what the planner prices (one reshard per tensor and layout), not three.
-    Weak references: the cache keeps nothing alive."""
+    the same tensor (same object, unchanged since) in the same placements reuses the
+    result.  q, k and v (gate and up) projections read one normed hidden state;
+    converting it once is one all-gather forward and one reduce-scatter backward
+    (autograd sums the three gradients first), which is what the planner prices (one
+    reshard per tensor and layout), not three.  The result is held while the source
+    lives (a weak reference to it drops the entry), so the hit does not depend on what
+    the first consumer keeps: a local region's replay, a recomputation and ``no_grad``
+    hit as a recording does."""
 
     def __init__(self) -> None:
-        self._src: weakref.ref | None = None
-        self._out: weakref.ref | None = None
-        self._target: list[Placement] = []
+        self._entry: tuple[weakref.ref, int, list[Placement], torch.Tensor] | None = None
 
     def get(self, t: torch.Tensor, target: list[Placement]) -> torch.Tensor | None:
-        if self._src is None or self._src() is not t or self._target != target:
+        if self._entry is None:
             return None
-        return self._out() if self._out is not None else None
+        src, version, want, out = self._entry
+        return out if src() is t and t._version == version and want == target else None
 
     def put(self, t: torch.Tensor, target: list[Placement], out: torch.Tensor) -> torch.Tensor:
-        self._src, self._out, self._target = weakref.ref(t), weakref.ref(out), target
+        self._entry = (weakref.ref(t, self._drop), t._version, target, out)
         return out
+
+    def _drop(self, ref: weakref.ref) -> None:
+        if self._entry is not None and self._entry[0] is ref:
+            self._entry = None
 
 
 def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLayout,
@@ -517,10 +523,14 @@ class _GradNotPartial(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> DTensor:
-        if not any(p.is_partial() for p in grad.placements):
-            return grad
-        return grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p
-                                                    for p in grad.placements])
+        return _summed(grad)
+
+
+def _summed(t: DTensor) -> DTensor:
+    """``t`` with its pending sums reduced (Partial -> Replicate), else ``t`` itself."""
+    if not any(p.is_partial() for p in t.placements):
+        return t
+    return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
 
 
 def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tensor_parallel: bool) -> None:

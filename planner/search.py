@@ -355,7 +355,7 @@ def _parameters(graph: nx.DiGraph, cand: Candidate) -> list[ParameterPlacement]:
     return [ParameterPlacement(fqn=k, placements=[*_lead(cand), *v]) for k, v in out.items()]
 
 
-def _settled(graph: nx.DiGraph, cand: Candidate, key: str) -> tuple[str, ...]:
+def _settled(graph: nx.DiGraph, cand: Candidate, unit_of: dict[str, str], key: str) -> tuple[str, ...]:
     """The layout anchor ``key``'s output leaves its module in: its own, unless that is a
     pending sum (a row-parallel product, a vocabulary-parallel embedding) that every
     consumer needs in one other layout, which the ILP prices as one reshard of the tensor.
@@ -366,7 +366,6 @@ def _settled(graph: nx.DiGraph, cand: Candidate, key: str) -> tuple[str, ...]:
     out = cand.solution.choice[key].out
     if "P" not in out:
         return out
-    unit_of = {n: k for k, u in cand.units.items() for n in u.nodes}
     consumers = {unit_of[v] for n in cand.units[key].nodes for v in graph.successors(n)
                  if unit_of.get(v, key) != key}
     needed = {(cand.solution.choice[k].inp if cand.units[k].kind == "anchor"
@@ -379,6 +378,7 @@ def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
     seq = cand.ctx.seq_len
     out: dict[str, ModuleLayout] = {}
     plain = tuple("B" for _ in cand.ctx.mesh_shape)
+    unit_of = {n: k for k, u in cand.units.items() for n in u.nodes}
     for key, c in cand.solution.choice.items():
         u = cand.units[key]
         d = graph.nodes[key]
@@ -388,7 +388,7 @@ def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
             in_shape = d["in_shapes"][0] if d["short"] != "addmm" else d["in_shapes"][1]
             inp = ([*_lead(cand), *(concrete(x, in_shape, seq) for x in c.inp)]
                    if d["short"] != "embedding" else None)
-            outp = [*_lead(cand), *(concrete(x, d["shape"], seq) for x in _settled(graph, cand, key))]
+            outp = [*_lead(cand), *(concrete(x, d["shape"], seq) for x in _settled(graph, cand, unit_of, key))]
             out[fqn_pattern(u.module)] = ModuleLayout(module=fqn_pattern(u.module), input=inp, output=outp)
         elif u.kind == "segment":
             for n in u.nodes:

@@ -142,7 +142,8 @@ def test_calibrate_small_run_writes_a_loadable_profile(tmp_path):
     assert columns[COLUMN_SIZES[0]] < columns[COLUMN_SIZES[-1]]
     assert profile.node_host_s > profile.kernel_floor_s
     # DTensor activations (tensor parallel over the 2 ranks, on a fake process group) add
-    # host time per node, more than the AdamW mix's per op each way (~2x here)
-    assert profile.dtensor_node_host_s > profile.dtensor_op_overhead_s
+    # host time per node (~150 us here, against ~5 us of a 1-element add; the measurement
+    # clamps at 0, so a broken one reads 0)
+    assert profile.dtensor_node_host_s > profile.kernel_floor_s
     assert set(profile.fsdp_overhead) == {"replicate", "fully_shard"}
     assert all(o.unit_s + o.byte_s > 0 for o in profile.fsdp_overhead.values())

@@ -369,6 +369,9 @@ def test_a_given_mesh_runs_the_plan_on_a_subgroup_of_the_world() -> None:
         wrong = DeviceMesh.from_group(pair, "cpu", mesh_dim_names=("dp",))
         assert ("mesh: the plan's mesh is {'pair': 2}, the given mesh is {'dp': 2}"
                 in _refused(plan, model, mesh=wrong))
+        unnamed = DeviceMesh.from_group(pair, "cpu")
+        assert ("mesh: the given mesh (2,) has no dim names; the plan's mesh is {'pair': 2}"
+                in _refused(plan, model, mesh=unnamed))
         mesh = DeviceMesh.from_group(pair, "cpu", mesh_dim_names=("pair",))
         model = executor.apply(plan, model, mesh=mesh)
         weight = model.model.layers[0].self_attn.q_proj.weight
@@ -398,34 +401,41 @@ def tp2_on_fake_group(sp: bool, checkpointing: str = "none") -> Iterator[nn.Modu
         executor.rng.deactivate()
 
 
-def test_the_planners_sequence_parallel_plan_issues_the_collectives_it_prices() -> None:
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_the_planners_sequence_parallel_plan_issues_the_collectives_it_prices(checkpointing: str) -> None:
     """``planner.hand_plan``'s TP+SP layout writes a layout per projection and keeps
     row-parallel outputs as pending sums; run as written it issued an all-gather per
     projection (q, k, v: three of one tensor) and an all-reduce at each residual add.
     The planner prices one reshard per tensor and layout, and a reduce-scatter into the
     residual stream: per layer one all-gather before attention and one before the MLP,
     one reduce-scatter after each, forward and mirrored backward; plus the embedding's
-    reduce-scatter and the head's all-gather, and the vocabulary-parallel loss's two
-    all-reduces."""
+    reduce-scatter and the head's all-gather.  The same after a training step (the MLP
+    blocks then run on local shards, replaying the shared conversion), without grad,
+    and in a full recomputation (which re-issues a layer's two gathers and o_proj's
+    reduce-scatter, test_recomputation_reissues_the_collectives_the_planner_charges)."""
     layers = PRESETS["llama-tiny"]["num_hidden_layers"]
     torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
         plan = planner.hand_plan("llama-tiny", devices=2, profile="cpu-gloo-local", tp=2, sp=True,
-                                 batch_size=BATCH, seq_len=SEQ)
+                                 checkpointing=checkpointing, batch_size=BATCH, seq_len=SEQ)
         model = executor.apply(plan, build(Case("llama")))
         ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
-        with CommDebugMode() as comm:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        locally = executor.local_regions.running_locally(model)
+        with _Collectives() as forward:
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        forward = {op.__name__: n for op, n in comm.get_comm_counts().items()}
-        with CommDebugMode() as comm:
+        with _Collectives() as backward:
             loss.backward()
-        backward = {op.__name__: n for op, n in comm.get_comm_counts().items()}
+        with torch.no_grad(), _Collectives() as evaluation:
+            model(input_ids=ids, use_cache=False)
     finally:
         torch.distributed.destroy_process_group()
         executor.rng.deactivate()
-    gathers = scatters = 2 * layers + 1
-    assert forward == {"all_gather_into_tensor": gathers, "reduce_scatter_tensor": scatters, "allreduce_": 2}
-    assert backward["all_gather_into_tensor"] == gathers and backward["reduce_scatter_tensor"] == scatters
+    assert locally == [f"model.layers.{i}.mlp" for i in range(layers)]
+    each = 2 * layers + 1
+    assert forward.counts == evaluation.counts == {"all_gather_into_tensor": each, "reduce_scatter_tensor": each}
+    rerun = {"all_gather_into_tensor": 2 * layers, "reduce_scatter_tensor": layers} if checkpointing == "full" else {}
+    assert backward.counts == Counter(forward.counts) + Counter(rerun)
 
 
 @pytest.mark.parametrize("learned", [False, True], ids=["dtensor", "local-blocks"])
