@@ -406,10 +406,11 @@ def _no_comm_table(no_comm: list[dict], results: list[dict], predicted: dict[str
     def step_of(per_rank: list[dict], name: str) -> float:
         return _medians(_slowest_rank([r[name] for r in per_rank]))[3]
 
-    drift = step_of(no_comm, LOCAL) / step_of([r["times"] for r in results], LOCAL) - 1
+    drift = step_of(no_comm, LOCAL) / step_of([r["times"] for r in results], LOCAL)
     print(f"\n== Without communication: the same steps on {WORLD} processes over torch's fake "
           f"process group (no-op collectives), {len(no_comm[0][LOCAL])} rounds ==")
-    print(f"the local reference ran {drift:+.0%} against the gloo phase (machine drift between the two)")
+    print(f"the local reference ran {drift - 1:+.0%} against the gloo phase (the machine's drift "
+          f"between the two): the no-comm steps are divided by {drift:.2f}, as if it hit all alike")
     print("predicted: compute + optimizer + DTensor's host time around each collective it issues "
           "(dtensor_redistribute_s x the step's DTensor collectives), which the fake group runs too; "
           "the model counts it as communication")
@@ -418,7 +419,8 @@ def _no_comm_table(no_comm: list[dict], results: list[dict], predicted: dict[str
     print(f"{'':<16}{'(compute and host)':>28}   {'(communication added, exposed)':>33}")
     for layout in LAYOUTS:
         t = predicted[layout.name].prediction.time
-        alone, gloo = step_of(no_comm, layout.name), step_of([r["times"] for r in results], layout.name)
+        alone = step_of(no_comm, layout.name) / drift
+        gloo = step_of([r["times"] for r in results], layout.name)
         # DTensor's collectives are the functional ones; FSDP2's and the loss's are c10d's
         # in-place ops (a trailing underscore)
         issued = sum(n for op, n in results[0]["collectives"][layout.name].items() if not op.endswith("_"))
