@@ -78,6 +78,7 @@ from cost_model.calibrate import (
     _iterations,
     cold_gemm_time,
     compute_chunk,
+    dtensor_collectives,
     measure_device,
     measure_job,
     profile_from_job,
@@ -421,9 +422,7 @@ def _no_comm_table(no_comm: list[dict], results: list[dict], predicted: dict[str
         t = predicted[layout.name].prediction.time
         alone = step_of(no_comm, layout.name) / drift
         gloo = step_of([r["times"] for r in results], layout.name)
-        # DTensor's collectives are the functional ones; FSDP2's and the loss's are c10d's
-        # in-place ops (a trailing underscore)
-        issued = sum(n for op, n in results[0]["collectives"][layout.name].items() if not op.endswith("_"))
+        issued = dtensor_collectives(results[0]["collectives"][layout.name])
         host = issued * profile["dtensor_redistribute_s"]
         compute = t.compute_s + t.optimizer_s + host
         comm = gloo - alone

@@ -242,6 +242,13 @@ def _fake_mesh(world: int, names: tuple[str, ...]) -> DeviceMesh:
                                  mesh_dim_names=names)
 
 
+def dtensor_collectives(counts: dict[str, int]) -> int:
+    """How many of a step's collectives (``CommDebugMode`` counts by op name) DTensor
+    issued: its redistributions are functional collectives; FSDP2's and the
+    vocabulary-parallel loss's are c10d's in-place ops (a trailing underscore)."""
+    return sum(n for op, n in counts.items() if not op.endswith("_"))
+
+
 def measure_dtensor_node_host(world: int) -> float:
     """Host seconds per traced graph node, forward + backward, that running a model's
     activations as DTensors adds (``executor.apply`` with a model-parallel mesh dim):
@@ -254,8 +261,8 @@ def measure_dtensor_node_host(world: int) -> float:
 
     A tiny Llama (``_tensor_parallel_tiny``) trains on ``_TINY_TOKENS`` tokens, where no
     kernel does measurable work, under ``planner.hand_plan``'s tensor-parallel layout (no
-    sequence parallelism: fewer redistributions to take off) on
-    all ``world`` ranks, on a mesh over torch's fake process group: collectives are
+    sequence parallelism: fewer redistributions to take off) on all ``world`` ranks, on
+    a mesh over torch's fake process group: collectives are
     no-ops there, so the step is host time.  Taken off it: the plain model's step (its
     host time is ``node_host_s``), and each redistribution the step issues at the time
     of one on that mesh (a ``from_local -> redistribute -> to_local`` round trip, mean of
@@ -296,9 +303,7 @@ def measure_dtensor_node_host(world: int) -> float:
         with CommDebugMode() as comm:
             sharded()
         t_sharded = _median_time(sharded)
-    # DTensor's redistributions are the functional collectives; the vocabulary-parallel
-    # loss's are c10d's in-place ones (a trailing underscore), no-ops here like any other
-    issued = sum(n for op, n in comm.get_comm_counts().items() if not str(op).endswith("_"))
+    issued = dtensor_collectives({str(op): n for op, n in comm.get_comm_counts().items()})
     redistribute = statistics.mean(_median_time(f) for f in _round_trips(mesh[plan.mesh.names[-1]],
                                                                           torch.ones(world * 64)))
     extra = t_sharded - plain - issued * redistribute
