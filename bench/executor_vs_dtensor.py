@@ -127,11 +127,8 @@ def forced_plan() -> Plan:
     """TorchTitan's layout written as a meshplan plan (FSDP on dp, TP + SP on tp), with its
     vocabulary-sharded (rowwise) embedding."""
     model = build_model(load_config(CONFIG), device="meta")
-    plan = make_plan(model, {"dp": DP, "tp": TP}, fsdp=True, sp=True, batch_size=BATCH, seq_len=SEQ)
-    for p in plan.parameters:
-        if p.fqn == "model.embed_tokens.weight":
-            p.placements = ["S(0)", "S(0)"]
-    return plan
+    return make_plan(model, {"dp": DP, "tp": TP}, fsdp=True, sp=True, batch_size=BATCH, seq_len=SEQ,
+                     vocab_embedding=True)
 
 
 def planner_plan() -> Plan:

@@ -476,11 +476,7 @@ def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLa
 
         def convert(t: torch.Tensor) -> torch.Tensor:
             t = as_dtensor(t)
-            if list(t.placements) == target:
-                return t
-            special = any(p.is_partial() and type(p) is not Partial for p in t.placements)
-            t = t.redistribute(mesh, target)
-            return _GradNotPartial.apply(t) if special else t
+            return t if list(t.placements) == target else _redistributed(t, target)
 
         out = local_regions.convert(t, convert)
         return last.put(t, target, out) if shared else out
@@ -530,7 +526,15 @@ def _summed(t: DTensor) -> DTensor:
     """``t`` with its pending sums reduced (Partial -> Replicate), else ``t`` itself."""
     if not any(p.is_partial() for p in t.placements):
         return t
-    return t.redistribute(t.device_mesh, [Replicate() if p.is_partial() else p for p in t.placements])
+    return _redistributed(t, [Replicate() if p.is_partial() else p for p in t.placements])
+
+
+def _redistributed(t: DTensor, target: list[Placement]) -> DTensor:
+    """``t.redistribute(target)``; out of a special pending sum (MaskPartial), behind
+    ``_GradNotPartial`` so that backward can turn the gradient back."""
+    special = any(p.is_partial() and type(p) is not Partial for p in t.placements)
+    out = t.redistribute(t.device_mesh, target)
+    return _GradNotPartial.apply(out) if special else out
 
 
 def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tensor_parallel: bool) -> None:

@@ -147,11 +147,13 @@ def _tp_placement(fqn: str, conv1d: bool) -> str:
 
 
 def make_plan(model: Any, mesh: dict[str, int], fsdp: bool = False, sp: bool = False,
-              batch_size: int = 8, seq_len: int = 16, checkpointing: str = "none") -> Any:
+              batch_size: int = 8, seq_len: int = 16, checkpointing: str = "none",
+              vocab_embedding: bool = False) -> Any:
     """A plan for an HF Llama-family / GPT-2 model or a plain MLP on ``mesh``.
 
     Dims named ``dp`` are data parallel (FSDP when ``fsdp``), ``tp`` is tensor parallel
-    (with sequence parallelism when ``sp``)."""
+    (with sequence parallelism when ``sp``; a Llama's ``embed_tokens`` sharded by
+    vocabulary row, TorchTitan's rowwise embedding, when ``vocab_embedding``)."""
     from planner import schema as s
 
     names = list(mesh)
@@ -162,6 +164,8 @@ def make_plan(model: Any, mesh: dict[str, int], fsdp: bool = False, sp: bool = F
         for name in names:
             if name == "dp":
                 pl.append("S(0)" if fsdp else "R")
+            elif vocab_embedding and fqn == "model.embed_tokens.weight":
+                pl.append("S(0)")
             else:
                 pl.append(_tp_placement(fqn, conv1d))
         params.append(s.ParameterPlacement(fqn=s.fqn_pattern(fqn), placements=pl))
