@@ -66,6 +66,25 @@ def _first_nodes(graph: nx.DiGraph) -> set[str]:
     return graph.graph["first_nodes"]
 
 
+def pipeline_blocker(graph: nx.DiGraph) -> str | None:
+    """Why ``executor.apply`` could not cut this model into stages, or None.  Its rule
+    (``executor.pipeline``): later stages start from the embedding's output
+    (``inputs_embeds=``), so before the first layer only the input embedding may use
+    parameters (GPT-2's position embedding is one more), and a parameter tied across
+    stages (GPT-2's ``wte`` / ``lm_head``) cannot be split between them."""
+    first = _first_nodes(graph)
+    for n, d in sorted(graph.nodes(data=True)):
+        users = list(graph.successors(n))
+        if not d.get("is_param") or not any(u in first for u in users):
+            continue
+        if d["param"] != graph.graph.get("input_embedding"):
+            return (f"{d['param']} is used before the first layer, and later stages start from "
+                    "the input embedding's output")
+        if any(u not in first and graph.nodes[u].get("layer") is None for u in users):
+            return f"{d['param']} is tied to the output head, which a pipeline's last stage runs"
+    return None
+
+
 def stage_modules(graph: nx.DiGraph, stages: list[Stage], virtual: int = 1) -> list[list[str]]:
     """Module FQNs each stage runs, in order: embeddings, layers, head.
 

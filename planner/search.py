@@ -37,7 +37,7 @@ from cost_model.step import (
     partial_grad_time,
 )
 from planner.ilp import InfeasibleError, Solution, min_memory, solve, tensors
-from planner.pipeline import SCHEDULES, Stage, best_pipeline, stage_modules
+from planner.pipeline import SCHEDULES, Stage, best_pipeline, pipeline_blocker, stage_modules
 from planner.presets import load_config
 from planner.schema import (
     Alternative,
@@ -227,8 +227,10 @@ def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dic
 
 
 def mesh_candidates(devices: int, profile: Profile, divisor: int, layers: int,
-                    mesh: Mapping[str, int] | None) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
-    """Named mesh shapes to try: dims ordered pp, dp, tp (tp innermost: inside a node)."""
+                    mesh: Mapping[str, int] | None, unpipelined: str | None = None,
+                    ) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Named mesh shapes to try: dims ordered pp, dp, tp (tp innermost: inside a node).
+    ``unpipelined``: why the model cannot be cut into pipeline stages (no pp then)."""
     order = ("pp", "dp", "tp")
     if mesh is not None:
         unknown = [n for n in mesh if n not in order]
@@ -240,6 +242,9 @@ def mesh_candidates(devices: int, profile: Profile, divisor: int, layers: int,
             raise PlanningError(f"mesh: {dict(mesh)} has {math.prod(mesh.values())} devices, devices={devices}")
         if mesh.get("pp", 1) > layers:
             raise PlanningError(f"mesh: pp={mesh['pp']} exceeds the model's {layers} layers")
+        if mesh.get("pp", 1) > 1 and unpipelined:
+            raise PlanningError(f"mesh: pp={mesh['pp']}: the model cannot be cut into pipeline stages "
+                                f"({unpipelined})")
         if set(mesh) == {"pp"}:  # the stages still need a data dim to plan within
             mesh = {**mesh, "dp": 1}
         ordered = sorted(mesh, key=order.index)
@@ -249,7 +254,7 @@ def mesh_candidates(devices: int, profile: Profile, divisor: int, layers: int,
            and (t == 1 or divisor % t == 0)]
     out = [(("dp", "tp"), (devices // t, t)) if t > 1 else (("dp",), (devices,)) for t in tps]
     # Pipelining pays off across nodes: try pp with a full node of tp (and half of one).
-    if devices > node:
+    if devices > node and not unpipelined:
         for pp in (2, 4, 8, 16):
             for t in tps[-2:]:
                 if devices % (pp * t) == 0 and pp <= layers // 2 and t > 1:
@@ -468,7 +473,7 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
     say(f"tracing {model if isinstance(model, str) else type(model).__name__} ...")
     graph, prof, batch, seq, config = _resolve(model, devices, profile, batch_size, seq_len)
     divisor = _feature_divisor(graph, config) if config is not None else 1
-    meshes = mesh_candidates(devices, prof, divisor, graph.graph["layers"], mesh)
+    meshes = mesh_candidates(devices, prof, divisor, graph.graph["layers"], mesh, pipeline_blocker(graph))
     pins = _constraint_pins(constraints)
     say(f"traced {totals(graph)['nodes']} nodes ({graph.graph['traced_layers']} of "
         f"{graph.graph['layers']} layers exported) in {time.perf_counter() - t0:.1f}s; "
@@ -579,6 +584,8 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
         raise PlanningError(f"tp: {tp} does not divide the attention heads ({divisor})")
     if pp > graph.graph["layers"]:
         raise PlanningError(f"pp: {pp} exceeds the model's {graph.graph['layers']} layers")
+    if pp > 1 and (why := pipeline_blocker(graph)):
+        raise PlanningError(f"pp: the model cannot be cut into pipeline stages ({why})")
     names, shape = (("dp", "tp"), (dp, tp)) if tp > 1 else (("dp",), (dp,))
     if pp > 1:
         names, shape = ("pp", *names), (pp, *shape)

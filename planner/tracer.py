@@ -338,6 +338,14 @@ def _mark_rerun(graph: nx.DiGraph) -> None:
                 for c in graph.successors(n)))
 
 
+def _input_embedding(model: nn.Module) -> str | None:
+    """FQN of the weight of the embedding that reads ``input_ids`` (Hugging Face's
+    ``get_input_embeddings``), if the model says."""
+    get = getattr(model, "get_input_embeddings", None)
+    weight = getattr(get() if callable(get) else None, "weight", None)
+    return next((n for n, p in model.named_parameters() if p is weight), None)
+
+
 def _aliases(model: nn.Module) -> dict[str, str]:
     first: dict[int, str] = {}
     out = {}
@@ -392,6 +400,7 @@ def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_s
         model=name, layers=layers or traced, traced_layers=traced, layer_prefix=prefix,
         batch_size=batch_size, seq_len=seq_len,
         param_shapes={n: tuple(p.shape) for n, p in full.named_parameters()},
+        input_embedding=_input_embedding(full),
         dtype=str(next(full.parameters()).dtype), itemsize=next(full.parameters()).element_size(),
     )
     _mark_checkpoint_inputs(graph)

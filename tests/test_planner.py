@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 import planner
+from planner.presets import PRESETS
 from planner.schema import Fingerprint, Plan, plan_json_schema
 
 
@@ -183,10 +184,24 @@ def test_estimate_with_pp_agrees_with_the_planner(pp_plan):
 
 
 def test_small_model_on_many_nodes_is_not_pipelined():
-    plan = planner.plan("gpt2", 64, "h100-sxm-80g", batch_size=256, seq_len=1024)
+    plan = planner.plan("llama3-8b", 64, "h100-sxm-80g", batch_size=256, seq_len=1024)
     assert plan.pipeline is None and "pp" not in plan.mesh.names
     piped = [a for a in plan.solver.alternatives if "pp" in a.mesh and a.step_time_s is not None]
     assert piped and all(plan.prediction.time.step_time_s <= a.step_time_s for a in piped)
+
+
+def test_a_model_the_executor_cannot_cut_into_stages_is_never_pipelined():
+    """GPT-2 ties its input embedding to the output head (first and last stage) and adds
+    a position embedding before the first layer, where later stages start from the input
+    embedding's output: executor.apply refuses such stages, so the planner never writes
+    them and says why when asked for them."""
+    plan = planner.plan("gpt2", 64, "h100-sxm-80g", batch_size=256, seq_len=1024)
+    assert not [a for a in plan.solver.alternatives if "pp" in a.mesh]
+    with pytest.raises(planner.PlanningError, match=r"^mesh: pp=2: .*transformer\.wte\.weight is tied"):
+        planner.plan("gpt2-tiny", 4, "cpu-gloo-local", mesh={"pp": 2, "dp": 2}, batch_size=8, seq_len=16)
+    untied = {**PRESETS["gpt2-tiny"], "tie_word_embeddings": False}
+    with pytest.raises(planner.PlanningError, match=r"^pp: .*transformer\.wpe\.weight is used before"):
+        planner.hand_plan(untied, 4, "cpu-gloo-local", dp=2, pp=2, microbatches=2, batch_size=8, seq_len=16)
 
 
 def test_published_json_schema_is_current():
@@ -203,7 +218,6 @@ def test_the_loss_runs_on_vocabulary_shards_for_two_all_reduces_per_token():
     pipeline too."""
     from cost_model.comm import collective_time
     from cost_model.profile import load_profile
-    from planner.presets import PRESETS
     from planner.search import _context, _solve
     from planner.strategies import build_units
     from planner.tracer import trace
