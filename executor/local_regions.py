@@ -1,11 +1,12 @@
 """Module bodies on local shards: DTensor's per-op dispatch skipped where one DTensor run
 shows what it would do.
 
-Under tensor parallelism every op of an attention or MLP body (views, transposes, the
-rotary embedding, activations) dispatches through DTensor: tens of microseconds of Python
-per op and again in backward, about 10% of a small Llama's step on CPU.  TorchTitan hands
-plain local tensors between its parallel modules, which is right only because its author
-knows the model.  Here each *region* (a module whose parameters all sit in direct
+Under tensor parallelism every op of a transformer layer (views, transposes, the
+rotary embedding, activations, norms, residual adds) dispatches through DTensor: tens of
+microseconds of Python per op and again in backward, about 10% of a small Llama's step
+on CPU.  TorchTitan hands plain local tensors between its parallel modules, which is
+right only because its author knows the model.  Here each *region* (a repeated block,
+i.e. an ``nn.ModuleList`` entry, or a module whose parameters all sit in direct
 ``nn.Linear`` children: HF attention and MLP blocks) learns it instead:
 
 1. **Record.**  The first grad-enabled call runs through DTensor as before, while every
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -108,6 +110,12 @@ class _Tape:
     inputs: list[_Layout | None] = field(default_factory=list)
     steps: list[_Step] = field(default_factory=list)
     outputs: list[_Layout | None] = field(default_factory=list)
+    # the placements of a parameter's gradient on local shards, by name in the region,
+    # where they are not the parameter's own (_pending_grads)
+    grads: dict[str, tuple[Placement, ...]] = field(default_factory=dict)
+    # recording only: tensors the body made that crossed a boundary unchanged, whose
+    # gradients the replay cannot convert (_unconverted)
+    unmarked: list[_Layout] = field(default_factory=list)
 
 
 class _State(threading.local):
@@ -115,6 +123,9 @@ class _State(threading.local):
         self.mode: str | None = None  # "record" or "replay"
         self.tape: _Tape | None = None
         self.at = 0
+        # recording: the region's inputs and what changed boundaries returned, whose
+        # gradients the replay converts as recorded (by id, each checked by a weak reference)
+        self.marked: dict[int, weakref.ref] = {}
 
 
 _STATE = _State()
@@ -139,8 +150,13 @@ def convert(values: Any, fn: Callable[[Any], Any]) -> Any:
                      any(a is not b for a, b in zip(leaves_in, leaves_out, strict=False))
                      or len(leaves_in) != len(leaves_out))
         for t, layout in zip(leaves_out, step.outs, strict=True):
-            if layout is not None and step.changed:
-                layout.watch(t)
+            if layout is None:
+                continue
+            if step.changed:
+                _mark(t)
+            elif not _is_marked(t):
+                tape.unmarked.append(layout)
+            layout.watch(t)
         tape.steps.append(step)
         return out
     if _STATE.at >= len(tape.steps):
@@ -175,17 +191,29 @@ class _RandomOps(TorchFunctionMode):
         return convert((args, kwargs), lambda a: func(*a[0], **a[1]))
 
 
+def _mark(t: torch.Tensor) -> None:
+    _STATE.marked[id(t)] = weakref.ref(t)
+
+
+def _is_marked(t: torch.Tensor) -> bool:
+    ref = _STATE.marked.get(id(t))
+    return ref is not None and ref() is t
+
+
 @contextmanager
-def _taping(mode: str, tape: _Tape) -> Iterator[None]:
-    saved = (_STATE.mode, _STATE.tape, _STATE.at)
-    _STATE.mode, _STATE.tape, _STATE.at = mode, tape, 0
+def _taping(mode: str, tape: _Tape, inputs: list[Any] = ()) -> Iterator[None]:
+    saved = (_STATE.mode, _STATE.tape, _STATE.at, _STATE.marked)
+    _STATE.mode, _STATE.tape, _STATE.at, _STATE.marked = mode, tape, 0, {}
+    for t in inputs:
+        if isinstance(t, torch.Tensor):
+            _mark(t)
     try:
         with _RandomOps():
             yield
         if mode == "replay" and _STATE.at != len(tape.steps):
             raise _Mismatch("fewer boundary crossings than recorded")
     finally:
-        _STATE.mode, _STATE.tape, _STATE.at = saved
+        _STATE.mode, _STATE.tape, _STATE.at, _STATE.marked = saved
 
 
 class Region:
@@ -219,7 +247,7 @@ class Region:
         for t, layout in zip(leaves, tape.inputs, strict=True):
             if layout is not None:
                 layout.watch(t)
-        with _taping("record", tape):
+        with _taping("record", tape, leaves):
             out = self.forward(*args, **kwargs)
         tape.outputs = _layouts(tree_flatten(out)[0])
         return tape, out
@@ -229,7 +257,7 @@ class Region:
         local = [lay.unwrap(t) if lay is not None and isinstance(t, DTensor) else t
                  for t, lay in zip(leaves, tape.inputs, strict=True)]
         largs, lkwargs = tree_unflatten(local, spec)
-        with _taping("replay", tape), _local_parameters(self.module):
+        with _taping("replay", tape), _local_parameters(self.module, tape.grads):
             out = self.forward(*largs, **lkwargs)
         out_leaves, out_spec = tree_flatten(out)
         if len(out_leaves) != len(tape.outputs):
@@ -240,7 +268,8 @@ class Region:
     def _learn(self, args: tuple, kwargs: dict) -> _Tape | None:
         state = rng.get_state() if rng.is_active() else None
         leaves, spec = tree_flatten((args, kwargs))
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
         try:
             with _isolated():
                 inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
@@ -248,6 +277,9 @@ class Region:
                 dargs, dkwargs = tree_unflatten(inputs, spec)
                 tape, expected = self._record(dargs, dkwargs)
                 expected_grads = _vjp(expected, inputs, params)
+                if expected_grads:
+                    tape.grads = _pending_grads(named, expected_grads[len(expected_grads) - len(named):])
+                _unconverted(tape)
                 if state is not None:
                     rng.set_state(state)
                 got = self._replay(tape, dargs, dkwargs)
@@ -267,15 +299,20 @@ class Region:
 
 
 def regions(model: nn.Module, mesh: DeviceMesh) -> list[Region]:
-    """Make every region of ``model`` (parameters only in direct ``nn.Linear`` children,
-    all DTensors on ``mesh``) learn to run locally."""
+    """Make every region of ``model`` learn to run locally: a repeated block (an
+    ``nn.ModuleList`` entry: a transformer layer, its norms and residual adds included)
+    or a module whose parameters all sit in direct ``nn.Linear`` children (attention, MLP),
+    with every parameter a DTensor on ``mesh``.  Regions nest; the outermost whose check
+    passes runs locally, and the ones inside it learn only if it fails."""
+    blocks = {id(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
     found = []
     for fqn, module in model.named_modules():
         if module is model or any(True for _ in module.parameters(recurse=False)):
             continue
         holders = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
         children = set(module.children())
-        if holders and all(isinstance(m, nn.Linear) and m in children for m in holders) and all(
+        linear = all(isinstance(m, nn.Linear) and m in children for m in holders)
+        if holders and (linear or id(module) in blocks) and all(
                 isinstance(p, DTensor) for p in module.parameters()):
             found.append(Region(fqn, module, mesh))
     return found
@@ -308,20 +345,21 @@ def _signature(tree: Any) -> tuple:
 
 
 @contextmanager
-def _local_parameters(module: nn.Module) -> Iterator[None]:
+def _local_parameters(module: nn.Module, grads: dict[str, tuple[Placement, ...]]) -> Iterator[None]:
     """The region's DTensor parameters swapped for their local shards (differentiable:
-    gradients reach the DTensor parameters with their placements)."""
+    gradients reach the DTensor parameters with the placements ``grads`` recorded, else
+    their own)."""
     swapped = []
-    for child in module.children():
-        for name, p in list(child._parameters.items()):
+    for prefix, sub in module.named_modules():
+        for name, p in list(sub._parameters.items()):
             if isinstance(p, DTensor):
-                swapped.append((child, name, p))
-                child._parameters[name] = p.to_local()
+                swapped.append((sub, name, p))
+                sub._parameters[name] = p.to_local(grad_placements=grads.get(f"{prefix}.{name}" if prefix else name))
     try:
         yield
     finally:
-        for child, name, p in swapped:
-            child._parameters[name] = p
+        for sub, name, p in swapped:
+            sub._parameters[name] = p
 
 
 @contextmanager
@@ -373,6 +411,40 @@ def _matches(a: Any, b: Any) -> bool:
         if not fake and not torch.allclose(x, y, rtol=1e-5, atol=1e-6 * max(1.0, float(x.abs().max()))):
             return False
     return True
+
+
+def _unconverted(tape: _Tape) -> None:
+    """Refuse a body whose gradient changes placement where no boundary converts it.
+
+    Without sequence parallelism a replicated activation feeds column-parallel
+    projections unchanged (no collective forward), and its gradient is a pending sum
+    (Megatron's ``f``: an all-reduce backward only).  When that activation enters the
+    region, the replay converts its gradient where it unwraps it; made inside the body (a
+    transformer layer's normed hidden state) it is a plain local tensor, and the pending
+    sum would meet the residual stream's replicated gradient unreduced.  Such a layer
+    runs as its attention and MLP regions instead."""
+    for layout in tape.unmarked:
+        if layout.grad is not None and layout.grad != layout.placements:
+            raise _Mismatch(f"a value made inside the body has placements {list(layout.placements)} and a "
+                            f"gradient {list(layout.grad)}, and no boundary converts it")
+
+
+def _pending_grads(named: list[tuple[str, torch.Tensor]], grads: list[torch.Tensor | None],
+                   ) -> dict[str, tuple[Placement, ...]]:
+    """Where a local run's parameter gradient is a pending sum: on the mesh dims where the
+    parameter is replicated and the recording's gradient is Partial (a norm weight applied
+    to a sequence shard sums over only that shard).  A sharded parameter's local gradient
+    is its shard whatever DTensor chose in the recording (it may compute a row-parallel
+    weight's gradient whole, as a pending sum of full size)."""
+    out = {}
+    for (name, p), g in zip(named, grads, strict=True):
+        if not isinstance(p, DTensor) or not isinstance(g, DTensor):
+            continue
+        local = tuple(gp if isinstance(pp, Replicate) and gp.is_partial() else pp
+                      for pp, gp in zip(p.placements, g.placements, strict=True))
+        if local != tuple(p.placements):
+            out[name] = local
+    return out
 
 
 def _all_agree(ok: bool, mesh: DeviceMesh) -> bool:

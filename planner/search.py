@@ -402,7 +402,37 @@ def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
                     pl = [*_lead(cand), *(concrete(x, nd["shape"], seq) for x in c.out)]
                     pat = fqn_pattern(nd["module"])
                     out[pat] = ModuleLayout(module=pat, input=pl, output=pl)
+    _lift_inputs(graph, cand, out)
     return list(out.values())
+
+
+def _lift_inputs(graph: nx.DiGraph, cand: Candidate, out: dict[str, ModuleLayout]) -> None:
+    """A module whose input only its children's projections read, all wanting one layout
+    (q/k/v of an attention, gate/up of an MLP), takes that layout as its own input too:
+    the conversion then happens where the module is entered, as in TorchTitan's plan, and
+    the module's own code sees the converted tensor (HF attention reads its input's
+    shape, which under sequence parallelism the executor's local regions would see
+    sharded).  The same one reshard the ILP priced; the children's layouts stay."""
+    readers: dict[tuple[str, str], list[tuple[str, list[str]]]] = {}  # (parent, source) -> anchors
+    for key in cand.solution.choice:
+        module = cand.units[key].module
+        layout = out.get(fqn_pattern(module)) if module and cand.units[key].kind == "anchor" else None
+        if layout is None or layout.input is None or "." not in module:
+            continue
+        for src in graph.predecessors(key):
+            if not graph.nodes[src].get("is_param"):
+                readers.setdefault((module.rsplit(".", 1)[0], src), []).append((key, layout.input))
+    for (parent, src), anchors in readers.items():
+        inside = {v for v in graph.successors(src) if _under(graph.nodes[v]["module"], parent)}
+        if (_under(graph.nodes[src]["module"], parent) or inside != {key for key, _ in anchors}
+                or len({tuple(inp) for _, inp in anchors}) != 1):
+            continue
+        pattern = fqn_pattern(parent)
+        out.setdefault(pattern, ModuleLayout(module=pattern, input=anchors[0][1]))
+
+
+def _under(module: str, parent: str) -> bool:
+    return module == parent or module.startswith(parent + ".")
 
 
 def _unsupported(graph: nx.DiGraph) -> dict[str, int]:

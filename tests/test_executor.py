@@ -267,13 +267,20 @@ def test_two_ranks_match_single_device(case: Case, world2: dict, references: dic
 
 
 def test_tensor_parallel_blocks_run_on_local_shards(world2: dict, world4: dict) -> None:
-    """Attention and MLP blocks pass their check and run locally in the cases above (which
-    match one device); a block whose local run would differ stays on DTensor."""
-    layers = PRESETS["llama-tiny"]["num_hidden_layers"]
-    blocks = [f"model.layers.{i}.{b}" for i in range(layers) for b in ("self_attn", "mlp")]
+    """Regions pass their check and run locally in the cases above (which match one
+    device): under sequence parallelism whole transformer layers (norms and residual adds
+    included); without it attention and MLP blocks, since a layer's normed hidden state
+    is replicated and its gradient a pending sum that no boundary inside the layer
+    reduces.  A block whose local run would differ stays on DTensor."""
+    layers = range(PRESETS["llama-tiny"]["num_hidden_layers"])
+    whole = [f"model.layers.{i}" for i in layers]
+    blocks = [f"model.layers.{i}.{b}" for i in layers for b in ("self_attn", "mlp")]
+    checked = 0
     for name, result in {**world2, **world4["train"]}.items():
         if name.startswith(("llama-tp2", "qwen2-tp2", "mistral-tp2", "llama-dp2xtp2")):
-            assert result["local"] == blocks, name
+            assert result["local"] == (whole if "-sp-" in name else blocks), name
+            checked += 1
+    assert checked == 5
     assert world2[Case("centered-mlp", {"tp": 2}, dropout=0.1).name]["local"] == []
 
 
@@ -406,6 +413,23 @@ def tp2_on_fake_group(sp: bool, checkpointing: str = "none") -> Iterator[nn.Modu
         executor.rng.deactivate()
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_a_layer_runs_on_local_shards_only_where_its_gradients_cross_boundaries(sp: bool) -> None:
+    """Without sequence parallelism the normed hidden state a layer feeds its attention and
+    MLP is replicated and made inside the layer, and its gradient is a pending sum that no
+    boundary converts: replayed locally as one region, the layer would add it to the
+    residual stream's replicated gradient unreduced.  On the fake process group, where the
+    check cannot compare values, the recording itself must refuse it (no dropout here,
+    so nothing else fails), leaving the attention and MLP regions."""
+    layers = range(PRESETS["llama-tiny"]["num_hidden_layers"])
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    with tp2_on_fake_group(sp=sp) as model:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        locally = executor.local_regions.running_locally(model)
+    blocks = [f"model.layers.{i}.{b}" for i in layers for b in ("self_attn", "mlp")]
+    assert locally == ([f"model.layers.{i}" for i in layers] if sp else blocks)
+
+
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_the_planners_sequence_parallel_plan_issues_the_collectives_it_prices(checkpointing: str) -> None:
     """``planner.hand_plan``'s TP+SP layout writes a layout per projection and keeps
@@ -414,8 +438,8 @@ def test_the_planners_sequence_parallel_plan_issues_the_collectives_it_prices(ch
     The planner prices one reshard per tensor and layout, and a reduce-scatter into the
     residual stream: per layer one all-gather before attention and one before the MLP,
     one reduce-scatter after each, forward and mirrored backward; plus the embedding's
-    reduce-scatter and the head's all-gather.  The same after a training step (the MLP
-    blocks then run on local shards, replaying the shared conversion), without grad,
+    reduce-scatter and the head's all-gather.  The same after a training step (whole
+    layers then run on local shards, replaying the conversions), without grad,
     and in a full recomputation (which re-issues a layer's two gathers and o_proj's
     reduce-scatter, test_recomputation_reissues_the_collectives_the_planner_charges)."""
     layers = PRESETS["llama-tiny"]["num_hidden_layers"]
@@ -436,7 +460,7 @@ def test_the_planners_sequence_parallel_plan_issues_the_collectives_it_prices(ch
     finally:
         torch.distributed.destroy_process_group()
         executor.rng.deactivate()
-    assert locally == [f"model.layers.{i}.mlp" for i in range(layers)]
+    assert locally == [f"model.layers.{i}" for i in range(layers)]  # the plan's layers run on local shards
     each = 2 * layers + 1
     assert forward.counts == evaluation.counts == {"all_gather_into_tensor": each, "reduce_scatter_tensor": each}
     rerun = {"all_gather_into_tensor": 2 * layers, "reduce_scatter_tensor": layers} if checkpointing == "full" else {}
@@ -453,7 +477,7 @@ def test_sequence_parallel_rowwise_outputs_are_reduce_scattered(learned: bool) -
     with tp2_on_fake_group(sp=True) as model:
         if learned:
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-            assert len(executor.local_regions.running_locally(model)) == 2 * layers
+            assert len(executor.local_regions.running_locally(model)) == layers  # whole layers
         with CommDebugMode() as comm:
             out = model(input_ids=ids, use_cache=False)
             forward = {op.__name__: n for op, n in comm.get_comm_counts().items()}
