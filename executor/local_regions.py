@@ -49,6 +49,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -103,6 +105,58 @@ class _Step:
     ins: list[_Layout | None]
     outs: list[_Layout | None]
     changed: bool
+    # per dtype, set on the first replay with it: _direct_specs, or () for the round trip
+    direct: dict[torch.dtype, tuple[DTensorSpec, ...]] = field(default_factory=dict)
+
+
+def _direct_specs(step: _Step, dtype: torch.dtype) -> tuple[DTensorSpec, ...] | None:
+    """(from, to, gradient from, gradient to) specs where ``step`` moves one tensor
+    between placements on one mesh: the replay runs it as DTensor's own
+    ``redistribute_local_tensor`` on the local shard, forward and backward, without the
+    three autograd functions, the wrapper objects and the placement planning of a
+    ``from_local`` -> ``redistribute`` -> ``to_local`` round trip.  The gradient goes from
+    the placements the recording's backward delivered to the input's, pending sums made
+    Replicate, as ``redistribute``'s and ``from_local``'s backward do together.  Anything
+    else (random ops, several tensors) takes the round trip; the check in
+    ``Region._learn`` compares either with the DTensor run."""
+    if len(step.ins) != 1 or len(step.outs) != 1:
+        return None
+    a, b = step.ins[0], step.outs[0]
+    if a is None or b is None or a.mesh != b.mesh or a.shape != b.shape or a.placements == b.placements:
+        return None
+
+    def spec(lay: _Layout, placements: tuple[Placement, ...]) -> DTensorSpec:
+        return DTensorSpec(lay.mesh, placements, tensor_meta=TensorMeta(lay.shape, lay.stride, dtype))
+
+    grad_to = tuple(Replicate() if p.is_partial() else p for p in a.placements)
+    return spec(a, a.placements), spec(b, b.placements), spec(b, b.grad or b.placements), spec(a, grad_to)
+
+
+class _Redistribute(torch.autograd.Function):
+    """A local shard moved as ``_direct_specs`` says."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, specs: tuple[DTensorSpec, ...]) -> torch.Tensor:
+        ctx.specs = specs
+        return redistribute_local_tensor(local, specs[0], specs[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return redistribute_local_tensor(grad.contiguous(), ctx.specs[2], ctx.specs[3]), None
+
+
+def _moved(step: _Step, local: torch.Tensor) -> torch.Tensor | None:
+    """``local`` moved directly (``_direct_specs``), or None where the step takes the round
+    trip.  (A conversion the executor shares, q, k and v reading one hidden state, is
+    one step: its later readers hit the shared result before reaching a boundary.)"""
+    if local.dtype not in step.direct:
+        step.direct[local.dtype] = _direct_specs(step, local.dtype) or ()
+    specs = step.direct[local.dtype]
+    if not specs:
+        return None
+    if local.shape != step.ins[0].local_shape:
+        raise _Mismatch(f"local shape {tuple(local.shape)}, recorded {tuple(step.ins[0].local_shape)}")
+    return _Redistribute.apply(local, specs)
 
 
 @dataclass
@@ -168,6 +222,10 @@ def convert(values: Any, fn: Callable[[Any], Any]) -> Any:
     leaves, spec = tree_flatten(values)
     if len(leaves) != len(step.ins):
         raise _Mismatch("a boundary received another number of values than recorded")
+    if len(leaves) == 1 and isinstance(leaves[0], torch.Tensor) and not isinstance(leaves[0], DTensor):
+        moved = _moved(step, leaves[0])
+        if moved is not None:
+            return tree_unflatten([moved], spec)
     wrapped = [lay.wrap(t) if lay is not None else t for t, lay in zip(leaves, step.ins, strict=True)]
     out_leaves, out_spec = tree_flatten(fn(tree_unflatten(wrapped, spec)))
     if len(out_leaves) != len(step.outs):

@@ -430,8 +430,10 @@ def test_a_layer_runs_on_local_shards_only_where_its_gradients_cross_boundaries(
     assert locally == ([f"model.layers.{i}" for i in layers] if sp else blocks)
 
 
+@pytest.mark.parametrize("lifted", [True, False], ids=["as-planned", "per-projection"])
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
-def test_the_planners_sequence_parallel_plan_issues_the_collectives_it_prices(checkpointing: str) -> None:
+def test_the_planners_sequence_parallel_plan_issues_the_collectives_it_prices(checkpointing: str,
+                                                                             lifted: bool) -> None:
     """``planner.hand_plan``'s TP+SP layout writes a layout per projection and keeps
     row-parallel outputs as pending sums; run as written it issued an all-gather per
     projection (q, k, v: three of one tensor) and an all-reduce at each residual add.
@@ -441,12 +443,18 @@ def test_the_planners_sequence_parallel_plan_issues_the_collectives_it_prices(ch
     reduce-scatter and the head's all-gather.  The same after a training step (whole
     layers then run on local shards, replaying the conversions), without grad,
     and in a full recomputation (which re-issues a layer's two gathers and o_proj's
-    reduce-scatter, test_recomputation_reissues_the_collectives_the_planner_charges)."""
+    reduce-scatter, test_recomputation_reissues_the_collectives_the_planner_charges).
+    ``per-projection``: without the layouts the planner lifts onto attention and MLP
+    (their projections' shared input layout), the attention stays on DTensor (it reads
+    its input's sharded shape) and the MLP replays gate's and up's conversions of one
+    tensor as one, as DTensor did."""
     layers = PRESETS["llama-tiny"]["num_hidden_layers"]
     torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
         plan = planner.hand_plan("llama-tiny", devices=2, profile="cpu-gloo-local", tp=2, sp=True,
                                  checkpointing=checkpointing, batch_size=BATCH, seq_len=SEQ)
+        if not lifted:
+            plan.modules = [m for m in plan.modules if not m.module.endswith(("self_attn", "mlp"))]
         model = executor.apply(plan, build(Case("llama")))
         ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
@@ -460,7 +468,7 @@ def test_the_planners_sequence_parallel_plan_issues_the_collectives_it_prices(ch
     finally:
         torch.distributed.destroy_process_group()
         executor.rng.deactivate()
-    assert locally == [f"model.layers.{i}" for i in range(layers)]  # the plan's layers run on local shards
+    assert locally == [f"model.layers.{i}" if lifted else f"model.layers.{i}.mlp" for i in range(layers)]
     each = 2 * layers + 1
     assert forward.counts == evaluation.counts == {"all_gather_into_tensor": each, "reduce_scatter_tensor": each}
     rerun = {"all_gather_into_tensor": 2 * layers, "reduce_scatter_tensor": layers} if checkpointing == "full" else {}
