@@ -584,7 +584,7 @@ def _fully_shard(model: nn.Module, mesh: DeviceMesh, layout: _Layout, names: tup
             return Shard(0)
         return Shard(shard_dim(layout.placements[fqn_of[id(p)]][shard_at]))
 
-    blocks = _blocks(model)
+    blocks = local_regions.blocks(model)
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement,
                     reshard_after_forward=i < len(blocks) - 1)
@@ -604,18 +604,13 @@ def _prepare_stage(stage: nn.Module, plan: Plan, mesh: DeviceMesh, model_mesh: D
         _fully_shard(stage, mesh, layout, plan.mesh.names)
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    return [child for m in model.modules() if isinstance(m, nn.ModuleList)
-            for child in m if any(True for _ in child.parameters())]
-
-
 def _checkpoint_activations(model: nn.Module, plan: Plan, batch: DataParallelBatch | None) -> None:
     """Recompute each repeated block in backward: all of it (``full``) or all but its matmul
     and attention outputs (``selective``, torch's selective activation checkpointing)."""
     if plan.activation_checkpointing == "none":
         return
     selective = plan.activation_checkpointing == "selective"
-    for block in _blocks(model):
+    for block in local_regions.blocks(model):
         checkpoint(block, context_fn=partial(_recompute_contexts, selective, batch))
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -259,7 +259,7 @@ def _is_marked(t: torch.Tensor) -> bool:
 
 
 @contextmanager
-def _taping(mode: str, tape: _Tape, inputs: list[Any] = ()) -> Iterator[None]:
+def _taping(mode: str, tape: _Tape, inputs: Sequence[Any] = ()) -> Iterator[None]:
     saved = (_STATE.mode, _STATE.tape, _STATE.at, _STATE.marked)
     _STATE.mode, _STATE.tape, _STATE.at, _STATE.marked = mode, tape, 0, {}
     for t in inputs:
@@ -362,7 +362,7 @@ def regions(model: nn.Module, mesh: DeviceMesh) -> list[Region]:
     or a module whose parameters all sit in direct ``nn.Linear`` children (attention, MLP),
     with every parameter a DTensor on ``mesh``.  Regions nest; the outermost whose check
     passes runs locally, and the ones inside it learn only if it fails."""
-    blocks = {id(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m}
+    repeated = {id(block) for block in blocks(model)}
     found = []
     for fqn, module in model.named_modules():
         if module is model or any(True for _ in module.parameters(recurse=False)):
@@ -370,10 +370,17 @@ def regions(model: nn.Module, mesh: DeviceMesh) -> list[Region]:
         holders = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
         children = set(module.children())
         linear = all(isinstance(m, nn.Linear) and m in children for m in holders)
-        if holders and (linear or id(module) in blocks) and all(
+        if holders and (linear or id(module) in repeated) and all(
                 isinstance(p, DTensor) for p in module.parameters()):
             found.append(Region(fqn, module, mesh))
     return found
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model``: ``nn.ModuleList`` entries that hold parameters
+    (transformer layers; also what apply wraps in FSDP2 and checkpoints)."""
+    return [child for m in model.modules() if isinstance(m, nn.ModuleList)
+            for child in m if any(True for _ in child.parameters())]
 
 
 def running_locally(model: nn.Module) -> list[str]:
