@@ -31,7 +31,11 @@ summed as if exposed here; ``planner.search`` composes the chosen solution with
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -150,12 +154,37 @@ def partial_grad_s(ctx: Context, t: Tensor, src: tuple[str, ...], dst: tuple[str
     return max(0.0, extra) * ctx.microbatches
 
 
+_BANNER_LOCK = threading.Lock()
+
+
+@functools.cache
+def _silence_highs_banner() -> None:
+    """HiGHS writes a two-line banner to the process's C-level stdout when its first
+    solver object is built, before PuLP can turn its output off; ``meshplan plan >
+    plan.json`` then held the banner ahead of the JSON.  The first object is built here
+    with file descriptor 1 on /dev/null (the banner is printed once per process); the
+    lock keeps two threads from swapping the descriptor at once."""
+    import highspy
+
+    with _BANNER_LOCK:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), 1)
+                highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
 def _solver(time_limit_s: float | None) -> tuple[pulp.LpSolver, str]:
     kwargs = {"msg": False}
     if time_limit_s:
         kwargs["timeLimit"] = time_limit_s
     highs = pulp.HiGHS(**kwargs)
     if highs.available():
+        _silence_highs_banner()
         return highs, "HiGHS"
     return pulp.PULP_CBC_CMD(**kwargs), "CBC"
 

@@ -149,3 +149,13 @@ def test_console_script_reports_errors_without_traceback(tmp_path: Path) -> None
     assert run.returncode == 2
     assert run.stderr.startswith("meshplan: error: ") and len(run.stderr.strip().splitlines()) == 1
     assert subprocess.run([str(exe), "--help"], capture_output=True, timeout=60).returncode == 0
+
+
+def test_console_script_stdout_holds_only_the_plan() -> None:
+    """``meshplan plan ... > plan.json`` as a user runs it: the solver library writes
+    nothing of its own to the process's stdout (HiGHS printed its banner there)."""
+    exe = Path(sys.executable).with_name("meshplan")
+    run = subprocess.run([str(exe), "plan", *TINY], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    plan = Plan.from_json(run.stdout)
+    assert plan.model == "llama-tiny"
