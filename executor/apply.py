@@ -93,6 +93,11 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     names and sizes must be the plan's.  Raises :class:`PlanError` listing every
     mismatch between plan, model and world before touching the model.
     """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan: expected a planner.Plan, got {type(plan).__name__} "
+                        "(planner.Plan.from_json reads a saved plan)")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     world = mesh.size() if mesh is not None else dist.get_world_size() if dist.is_initialized() else 1
     layout = _check(plan, model, world, mesh)
     on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))

@@ -125,6 +125,10 @@ def materialize(
     model has no values to fall back on).
     """
     if seed is None:
+        if not rng.is_seeded():
+            raise RuntimeError("a model on the meta device is initialised from executor.rng's seed: "
+                               "call executor.rng.manual_seed(seed) before building it (the same "
+                               "call as in the single-device run)")
         seed = rng.get_state()["seed"]
     rng.manual_seed(seed)
     target = torch.device(device)

@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = [
     "manual_seed",
     "get_state",
+    "is_seeded",
     "set_state",
     "is_active",
     "deactivate",
@@ -441,6 +442,11 @@ def manual_seed(seed: int) -> None:
         _STATE.counter = 0
     torch.manual_seed(seed & _M64)
     _install()
+
+
+def is_seeded() -> bool:
+    """Whether ``manual_seed`` (or ``set_state``) has given the generator a seed."""
+    return _STATE.seed is not None
 
 
 def get_state() -> dict[str, int]:

@@ -360,6 +360,23 @@ def test_replicated_parameter_on_a_fully_shard_dim() -> None:
     assert f"{fqn}: R on fully_shard dim 'dp'; FSDP shards every parameter" in _refused(plan, model)
 
 
+def test_arguments_of_the_wrong_type_are_named() -> None:
+    model = _llama()
+    plan = make_plan(model, {"dp": 1})
+    for args, expected in (((plan.to_json(), model), "plan: expected a planner.Plan, got str"),
+                           ((plan.model_dump(), model), "plan: expected a planner.Plan, got dict"),
+                           ((plan, None), "model: expected a torch.nn.Module, got NoneType")):
+        with pytest.raises(TypeError, match=expected):
+            executor.apply(*args)
+
+
+def test_a_meta_model_without_a_seed_says_which_call_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(executor.rng._STATE, "seed", None)
+    meta = build_model(load_config("llama-tiny"), "meta")
+    with pytest.raises(RuntimeError, match=r"call executor.rng.manual_seed\(seed\) before building it"):
+        executor.apply(make_plan(meta, {"dp": 1}), meta)
+
+
 def test_single_device_plan_without_process_group_is_the_plain_model() -> None:
     model = _llama()
     before = [p for p in model.parameters()]
