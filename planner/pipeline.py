@@ -168,9 +168,9 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
 
 
 def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last: Part,
-              schedule: str, virtual: int, p2p_s: float) -> list[Stage] | None:
-    """Contiguous layer counts per stage minimising the slowest stage that fits (DP)."""
-    budget = usable_bytes(ctx.profile)
+              schedule: str, virtual: int, p2p_s: float, budget: float) -> list[Stage] | None:
+    """Contiguous layer counts per stage minimising the slowest stage within ``budget``
+    bytes per device (DP)."""
     inf = (math.inf, None)
     memo: dict[tuple[int, int], tuple[StageCost, float, float]] = {}
 
@@ -220,18 +220,38 @@ def p2p_time(ctx: Context, graph: nx.DiGraph, mesh_shape: tuple[int, ...]) -> fl
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
 
 
+def schedule_blocker(layers: int, pp: int, microbatches: int, schedule: str, virtual: int) -> str | None:
+    """Why ``schedule`` with ``virtual`` stages per rank cannot run ``layers`` layers on ``pp``
+    ranks, as "field: problem", or None.  The rules are ``executor.pipeline``'s: the
+    interleaved schedule runs micro-batches in rounds of pp, and each rank's layers are
+    dealt out evenly to its virtual stages, so every stage holds a multiple of
+    ``virtual`` layers (at least one per virtual stage)."""
+    if schedule == "interleaved-1f1b" and microbatches % pp:
+        return (f"microbatches: {microbatches} is not divisible by pp={pp}; interleaved-1f1b runs "
+                "micro-batches in rounds of pp")
+    if pp * virtual > layers:
+        return f"virtual_stages: pp*virtual_stages={pp * virtual} exceeds the model's {layers} layers"
+    if layers % virtual:
+        return (f"virtual_stages: {virtual} does not divide the model's {layers} layers; each pp rank "
+                "deals its layers out evenly to its virtual stages")
+    return None
+
+
 def best_pipeline(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution, pp: int,
-                  schedules: tuple[tuple[str, int], ...] = SCHEDULES,
+                  schedules: tuple[tuple[str, int], ...] = SCHEDULES, budget: float | None = None,
                   ) -> tuple[list[Stage], str, int, StepBreakdown] | None:
-    """The best (stages, schedule, virtual stages, step breakdown) over ``schedules``."""
+    """The best (stages, schedule, virtual stages, step breakdown) over the ``schedules``
+    the executor can run, each stage within ``budget`` bytes (default: the profile's usable
+    memory)."""
     layer, first, last = split_parts(ctx, graph, units, sol)
     layers = graph.graph["layers"]
     p2p = p2p_time(ctx, graph, (pp, *ctx.mesh_shape))
+    budget = usable_bytes(ctx.profile) if budget is None else budget
     best = None
     for schedule, virtual in schedules:
-        if virtual > 1 and (ctx.microbatches % pp or layers < pp * virtual):
+        if schedule_blocker(layers, pp, ctx.microbatches, schedule, virtual):
             continue
-        stages = partition(ctx, layers, pp, layer, first, last, schedule, virtual, p2p)
+        stages = partition(ctx, layers, pp, layer, first, last, schedule, virtual, p2p, budget)
         if stages is None:
             continue
         b = compose_step([s.cost for s in stages], ctx.microbatches, schedule, virtual)

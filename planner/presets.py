@@ -9,6 +9,7 @@ so that a typo gives a one-line error instead of an OOM or a hang.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral")
 
@@ -90,11 +93,21 @@ _LIMITS = {
     "num_hidden_layers": 1024,
     "num_attention_heads": 2048,
     "num_key_value_heads": 2048,
+    "head_dim": 16384,
     "vocab_size": 4194304,
+    "max_position_embeddings": 1 << 24,
     "num_local_experts": 1024,
     "num_experts_per_tok": 64,
 }
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# Sizes Hugging Face derives when null: key/value heads default to the attention heads,
+# head_dim to hidden_size / num_attention_heads.  Any other null size is a mistake.
+_NULLABLE = ("num_key_value_heads", "head_dim")
+# GPT-2's names for the sizes above.
+_GPT2_ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+                 "n_positions": "max_position_embeddings"}
+# The RoPE types a model can be built with: HF's default plus its init-function registry.
+_ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
 
 
 def _read_mapping(source: str | Path | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -120,33 +133,81 @@ def _read_mapping(source: str | Path | Mapping[str, Any]) -> tuple[str, dict[str
 
 
 def _check(data: dict[str, Any]) -> None:
+    """Reject what transformers would turn into a TypeError or KeyError deep inside the
+    model, or a truncated message; errors name the key as the user wrote it."""
     model_type = data.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"model_type: {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    if model_type == "gpt2":
-        aliases = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads"}
-        data = {aliases.get(k, k): v for k, v in data.items()}
+    aliases = _GPT2_ALIASES if model_type == "gpt2" else {}
+    written = {v: k for k, v in aliases.items()}  # canonical name -> the user's name
+    data = {aliases.get(k, k): v for k, v in data.items()}
     for key in _REQUIRED:
         if key not in data:
-            raise ConfigError(f"{key}: missing from the {model_type} config")
+            raise ConfigError(f"{written.get(key, key)}: missing from the {model_type} config")
     for key, limit in _LIMITS.items():
-        if key not in data or data[key] is None:
+        if key not in data or (data[key] is None and key in _NULLABLE):
             continue
-        value = data[key]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: must be an integer, got {value!r}")
-        if value <= 0:
-            raise ConfigError(f"{key}: must be positive, got {value}")
+        value, name = data[key], written.get(key, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
         if value > limit:
-            raise ConfigError(f"{key}: {value} is beyond the sanity limit {limit}")
+            raise ConfigError(f"{name}: {value} is beyond the sanity limit {limit}")
     heads = data["num_attention_heads"]
-    if data["hidden_size"] % heads and "head_dim" not in data:
-        raise ConfigError(f"hidden_size: {data['hidden_size']} is not divisible by num_attention_heads {heads}")
+    if data.get("head_dim") is None and data["hidden_size"] % heads:
+        raise ConfigError(f"{written.get('hidden_size', 'hidden_size')}: {data['hidden_size']} is not "
+                          f"divisible by {written.get('num_attention_heads', 'num_attention_heads')} {heads}")
     kv = data.get("num_key_value_heads")
     if kv and heads % kv:
         raise ConfigError(f"num_key_value_heads: {kv} does not divide num_attention_heads {heads}")
+    _check_activation(data, "activation_function" if model_type == "gpt2" else "hidden_act")
+    _check_rope(data)
+
+
+def _check_activation(data: dict[str, Any], key: str) -> None:
+    """The model looks its activation up in transformers' ``ACT2FN`` (a KeyError there)."""
+    if key in data and (not isinstance(data[key], str) or data[key] not in ACT2FN):
+        raise ConfigError(f"{key}: unknown activation {data[key]!r} (transformers' ACT2FN has: "
+                          f"{', '.join(sorted(ACT2FN))})")
+
+
+def _check_rope(data: dict[str, Any]) -> None:
+    """The rotary embedding looks ``rope_type`` up in transformers' ``ROPE_INIT_FUNCTIONS``
+    (a KeyError there); ``rope_scaling`` is the older name of ``rope_parameters``, and
+    ``type`` of ``rope_type``.  A dict of dicts holds one per layer type."""
+    for field in ("rope_parameters", "rope_scaling"):
+        params = data.get(field)
+        if params is None:
+            continue
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"{field}: must be an object, got {params!r}")
+        nested = bool(params) and all(isinstance(v, Mapping) or v is None for v in params.values())
+        entries = ([(f"{field}.{k}", v) for k, v in params.items() if v is not None] if nested
+                   else [(field, params)])
+        for where, entry in entries:
+            key = "rope_type" if "rope_type" in entry or "type" not in entry else "type"
+            rope_type = entry.get(key, "default")
+            if rope_type not in _ROPE_TYPES:
+                raise ConfigError(f"{where}.{key}: unknown RoPE type {rope_type!r} "
+                                  f"(supported: {', '.join(_ROPE_TYPES)})")
+
+
+def _config_error(e: Exception, data: dict[str, Any]) -> ConfigError:
+    """transformers' own rejection as a ConfigError naming the field.  Its strict-dataclass
+    errors print the field on one line and the problem (the cause) on the next; a rule
+    across fields (RoPE's) names the fields it checks in backquotes."""
+    cause = e.__cause__ or e
+    problem = (str(cause.args[0]) if isinstance(cause, KeyError) and cause.args else str(cause)).strip()
+    problem = problem.splitlines()[0] if problem else type(cause).__name__
+    field = re.search(r"field '(\w+)'", str(e))
+    names = [field[1]] if field else re.findall(r"`(\w+)`", problem)
+    for name in names:
+        if name == "rope_parameters" and "rope_scaling" in data:
+            name = "rope_scaling"
+        if name in data:
+            return ConfigError(f"{name}: {problem}")
+    return ConfigError(f"model: invalid {data['model_type']} config: {problem}")
 
 
 def load_config(source: str | Path | Mapping[str, Any] | PretrainedConfig) -> PretrainedConfig:
@@ -159,9 +220,8 @@ def load_config(source: str | Path | Mapping[str, Any] | PretrainedConfig) -> Pr
     kwargs = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
     try:
         config = AutoConfig.for_model(data["model_type"], **kwargs)
-    except (TypeError, ValueError, StrictDataclassError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"model: invalid {data['model_type']} config: {first}") from None
+    except (TypeError, ValueError, KeyError, StrictDataclassError) as e:
+        raise _config_error(e, data) from None
     config.name_or_path = name
     return config
 
@@ -182,4 +242,10 @@ def build_model(config: PretrainedConfig, device: str | torch.device = "meta",
     """The unchanged Hugging Face causal LM for ``config``; never runs remote code."""
     config._attn_implementation = "sdpa"
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=dtype)
+    if model.loss_type is None:
+        # transformers derives the loss from the class name, which GPT2LMHeadModel does not
+        # match, and then warns on every trace that it falls back to the causal-LM loss.
+        # Naming that same loss here keeps the computation and silences only that warning.
+        model.loss_type = "ForCausalLM"
+    return model

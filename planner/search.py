@@ -37,7 +37,14 @@ from cost_model.step import (
     partial_grad_time,
 )
 from planner.ilp import InfeasibleError, Solution, min_memory, solve, tensors
-from planner.pipeline import SCHEDULES, Stage, best_pipeline, pipeline_blocker, stage_modules
+from planner.pipeline import (
+    SCHEDULES,
+    Stage,
+    best_pipeline,
+    pipeline_blocker,
+    schedule_blocker,
+    stage_modules,
+)
 from planner.presets import load_config
 from planner.schema import (
     Alternative,
@@ -94,10 +101,34 @@ class Candidate:
     virtual_stages: int = 1
 
 
-def _feature_divisor(graph: nx.DiGraph, config: Any) -> int:
+def _heads(config: Any) -> tuple[int, int] | None:
+    """(attention heads, key/value heads) of a config, None for a module."""
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    return math.gcd(int(heads), int(kv)) if heads else 1
+    return (int(heads), int(getattr(config, "num_key_value_heads", None) or heads)) if heads else None
+
+
+def _feature_divisor(graph: nx.DiGraph, config: Any) -> int:
+    heads = _heads(config)
+    return math.gcd(*heads) if heads else 1
+
+
+def _heads_text(config: Any) -> str:
+    """The head counts a feature (tensor-parallel) split must divide, said as what they are."""
+    counts = _heads(config)
+    if counts is None:
+        return "the attention heads (unknown without the model's config, taken as 1)"
+    heads, kv = counts
+    return f"the {heads} attention heads" if kv == heads else (
+        f"the {heads} attention heads and {kv} key/value heads")
+
+
+def _bytes_text(n: float) -> str:
+    """Bytes in the largest binary unit that keeps them above one, so that small
+    (tiny-model or tiny-profile) numbers do not print as 0.0 GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _training_dtype(profile: Profile) -> torch.dtype:
@@ -204,17 +235,23 @@ def _units(ctx: Context, graph: nx.DiGraph, pins: Callable[[Unit], None] | None
 
 def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dict[str, str],
            time_limit_s: float | None, pp: int = 1,
-           schedules: tuple[tuple[str, int], ...] = SCHEDULES) -> Candidate:
+           schedules: tuple[tuple[str, int], ...] = SCHEDULES, lift_memory: bool = False) -> Candidate:
+    """The ILP's best assignment (and pipeline split) within the profile's usable memory,
+    or, with ``lift_memory``, with no memory bound: how a layout that does not fit would run."""
     tmap = tensors(ctx, graph, units, unit_of, canonical_map(graph))
     tied: dict[str, list[str]] = {}
     for k, u in units.items():
         for fqn in {f for c in u.choices for f in c.weights}:
             tied.setdefault(fqn, []).append(k)
     tied = {f: ks for f, ks in tied.items() if len(ks) > 1}
-    sol = solve(ctx, units, tmap, usable_bytes(ctx.profile), tied, time_limit_s, state_divisor=pp)
+    budget = usable_bytes(ctx.profile)
+    if lift_memory:  # PuLP refuses an infinite bound: the largest choice per unit never binds
+        budget = max(budget, 1 + sum(max(sum(c.state) / pp + c.act_bytes for c in u.choices)
+                                     for u in units.values()))
+    sol = solve(ctx, units, tmap, budget, tied, time_limit_s, state_divisor=pp)
     if pp == 1:
         return Candidate(ctx, units, sol, evaluate(ctx, graph, units, sol))
-    found = best_pipeline(ctx, graph, units, sol, pp, schedules)
+    found = best_pipeline(ctx, graph, units, sol, pp, schedules, math.inf if lift_memory else None)
     if found is None:
         raise InfeasibleError(f"no split of {graph.graph['layers']} layers into {pp} stages fits")
     stages, schedule, virtual, b = found
@@ -233,10 +270,13 @@ def mesh_candidates(devices: int, profile: Profile, divisor: int, layers: int,
     ``unpipelined``: why the model cannot be cut into pipeline stages (no pp then)."""
     order = ("pp", "dp", "tp")
     if mesh is not None:
+        if not isinstance(mesh, Mapping):
+            raise PlanningError(f"mesh: expected a mapping of dim name to size such as "
+                                f"{{'dp': 2, 'tp': 2}}, got {mesh!r}")
         unknown = [n for n in mesh if n not in order]
         if unknown:
             raise PlanningError(f"mesh: unknown dim {unknown[0]!r} (supported: pp, dp, tp)")
-        if any(not isinstance(v, int) or v < 1 for v in mesh.values()):
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in mesh.values()):
             raise PlanningError(f"mesh: sizes must be positive integers, got {dict(mesh)}")
         if math.prod(mesh.values()) != devices:
             raise PlanningError(f"mesh: {dict(mesh)} has {math.prod(mesh.values())} devices, devices={devices}")
@@ -262,14 +302,38 @@ def mesh_candidates(devices: int, profile: Profile, divisor: int, layers: int,
     return out
 
 
+@dataclass
+class Searched:
+    """What :func:`_search` found: the fastest candidate (None if none fits), every candidate
+    as an alternative, the least bytes per device any layout ruled out by memory needs (inf
+    when memory ruled none out), and why the batch ruled meshes out, one note per mesh."""
+
+    best: Candidate | None
+    alternatives: list[Alternative]
+    leanest: float
+    batch_blocked: list[str]
+
+    def need(self, profile: Profile) -> str:
+        """The memory clause of a "does not fit" message ("" when nothing was priced)."""
+        return "" if self.leanest == math.inf else (
+            f"; the leanest layout needs {_bytes_text(self.leanest)} per device, "
+            f"{_bytes_text(usable_bytes(profile))} usable on {profile.name}")
+
+
+def _mesh_label(mesh: Mapping[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.items())
+
+
 def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: int,
             meshes: list[tuple[tuple[str, ...], tuple[int, ...]]], divisor: int,
             time_limit_s: float | None, progress: Progress,
             fixed: dict[str, Any] | None = None,
-            pins: Callable[[Unit], None] | None = None) -> tuple[Candidate | None, list[Alternative], str]:
-    """Best candidate over meshes x dp modes (x checkpointing, micro-batches when needed)."""
+            pins: Callable[[Unit], None] | None = None, lift_memory: bool = False) -> Searched:
+    """Best candidate over meshes x dp modes (x checkpointing, micro-batches when needed).
+    ``lift_memory``: price layouts whatever memory they need (see :func:`_solve`)."""
     best: Candidate | None = None
     alternatives: list[Alternative] = []
+    blocked: list[str] = []
     leanest = math.inf
     deadline = time.perf_counter() + time_limit_s if time_limit_s else None
     for names, shape in meshes:
@@ -277,18 +341,20 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
         sub_names, sub_shape = (names[1:], shape[1:]) if pp > 1 else (names, shape)
         dp = sub_shape[0] if sub_names[0] == "dp" else 1
         mesh_d = dict(zip(names, shape))
-        if batch % dp:
-            alternatives.append(Alternative(mesh=mesh_d, step_time_s=None, fits=False,
-                                            note=f"batch_size {batch} is not divisible by dp={dp}"))
-            continue
         fsdp_modes = [fixed["fsdp"]] if fixed else ([False, True] if dp > 1 else [False])
         schedules = fixed["schedules"] if fixed else SCHEDULES
+        micro = [fixed["microbatches"]] if fixed else [
+            m for m in (1, 2, 4, 8, 16, 32, 64, 128) if (batch // dp) % m == 0 and m >= pp]
+        if pp > 1 and not fixed:
+            micro = micro[:2]  # the fewest that keep every stage busy, and twice that
+        why = (f"{batch} is not divisible by dp={dp}" if batch % dp else
+               None if micro else f"{batch // dp} sequences per dp rank cannot keep pp={pp} stages busy")
+        if why:
+            alternatives.append(Alternative(mesh=mesh_d, step_time_s=None, fits=False, note=f"batch_size {why}"))
+            blocked.append(f"{why} ({_mesh_label(mesh_d)})")
+            continue
         for fsdp in fsdp_modes:
             ckpts = [fixed["checkpointing"]] if fixed else ["none", "selective", "full"]
-            micro = [fixed["microbatches"]] if fixed else [
-                m for m in (1, 2, 4, 8, 16, 32, 64, 128) if (batch // dp) % m == 0 and m >= pp]
-            if pp > 1 and not fixed:
-                micro = micro[:2]  # the fewest that keep every stage busy, and twice that
             found = None
             for ckpt in ckpts:
                 for m in micro:
@@ -300,12 +366,12 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                     units, unit_of = _units(ctx, graph, pins)
                     if any(not u.choices for u in units.values()):
                         continue  # the pins leave this unit nothing on this mesh
-                    if min_memory(units, pp) > usable_bytes(profile):
+                    if min_memory(units, pp) > usable_bytes(profile) and not lift_memory:
                         leanest = min(leanest, min_memory(units, pp))
                         continue  # cannot fit: skip the solve
                     try:
                         cand = _solve(ctx, graph, units, unit_of, max(left, 1.0) if left else None,
-                                      pp, schedules)
+                                      pp, schedules, lift_memory)
                     except InfeasibleError:
                         leanest = min(leanest, min_memory(units, pp))
                         continue
@@ -329,13 +395,10 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                 note=f"{label}, checkpointing={found.ctx.checkpointing}, "
                      f"microbatches={found.ctx.microbatches}{extra}"))
             progress(f"  {label}: {p.time.step_time_s * 1e3:.1f} ms/step, "
-                     f"{p.memory.total / 2**30:.1f} GiB/device")
+                     f"{_bytes_text(p.memory.total)}/device")
             if best is None or p.time.step_time_s < best.prediction.time.step_time_s:
                 best = found
-    need = "" if leanest == math.inf else (
-        f"; the leanest layout needs {leanest / 2**30:.1f} GiB per device, "
-        f"{usable_bytes(profile) / 2**30:.1f} GiB usable on {profile.name}")
-    return best, alternatives, need
+    return Searched(best, alternatives, leanest, blocked)
 
 
 def _lead(cand: Candidate) -> tuple[str, ...]:
@@ -475,10 +538,11 @@ def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
     prof = load_profile(profile)
     if prof.max_devices is not None and devices > prof.max_devices:
         raise PlanningError(f"devices: {devices} exceeds the {prof.max_devices} devices profile {prof.name!r} describes")
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise PlanningError(f"{name}: must be a positive integer, got {value!r}")
     config = None if hasattr(model, "named_parameters") else load_config(model)
     batch, seq_len = default_shape(config if config is not None else model, devices, batch_size, seq_len)
-    if batch < 1:
-        raise PlanningError(f"batch_size: must be positive, got {batch}")
     dtype = _training_dtype(prof)
     graph = _trace_preset(model, seq_len, dtype) if isinstance(model, str) else trace(
         config if config is not None else model, 1, seq_len, dtype)
@@ -499,6 +563,9 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
          progress: Progress | None = None) -> Plan:
     """Plan ``model`` on ``devices`` devices of ``profile`` (see SPEC.md)."""
     say = progress or (lambda _msg: None)
+    if time_limit_s is not None and (isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float))
+                                     or not math.isfinite(time_limit_s) or time_limit_s <= 0):
+        raise PlanningError(f"time_limit_s: must be a positive number of seconds, got {time_limit_s!r}")
     t0 = time.perf_counter()
     say(f"tracing {model if isinstance(model, str) else type(model).__name__} ...")
     graph, prof, batch, seq, config = _resolve(model, devices, profile, batch_size, seq_len)
@@ -508,15 +575,25 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
     say(f"traced {totals(graph)['nodes']} nodes ({graph.graph['traced_layers']} of "
         f"{graph.graph['layers']} layers exported) in {time.perf_counter() - t0:.1f}s; "
         f"searching {len(meshes)} mesh shape(s)")
-    best, alts, need = _search(graph, prof, devices, batch, seq, meshes, divisor, time_limit_s,
-                               say, pins=pins)
+    found = _search(graph, prof, devices, batch, seq, meshes, divisor, time_limit_s, say, pins=pins)
+    best = found.best
     if best is None or not best.prediction.memory.fits:
-        raise PlanningError(f"devices: no layout of {model_label(model)} fits on {devices} x {prof.name}{need}")
+        raise PlanningError(_nothing_fits(model, devices, prof, len(meshes), found))
     total = time.perf_counter() - t0
     say(f"best: {'x'.join(f'{n}={s}' for n, s in zip(best.ctx.mesh_names, best.ctx.mesh_shape))}"
         f"{f' pp={best.pp} ' + best.schedule if best.pp > 1 else ''}, "
         f"{best.prediction.time.step_time_s * 1e3:.1f} ms/step ({total:.1f}s)")
-    return _assemble(model, graph, prof, devices, best, alts, total)
+    return _assemble(model, graph, prof, devices, best, found.alternatives, total)
+
+
+def _nothing_fits(model: Any, devices: int, prof: Profile, meshes: int, found: Searched) -> str:
+    """Why no layout was found, naming the field to change: the batch when it cannot be
+    split over any mesh tried, memory when no split layout fits, both when each ruled out some."""
+    blocked = "; ".join(found.batch_blocked)
+    if len(found.batch_blocked) == meshes:
+        return f"batch_size: no mesh tried can split the batch: {blocked}"
+    memory = f"devices: no layout of {model_label(model)} fits on {devices} x {prof.name}{found.need(prof)}"
+    return f"{memory}; batch_size rules out the other meshes: {blocked}" if blocked else memory
 
 
 def model_label(model: Any) -> str:
@@ -577,25 +654,33 @@ def _constraint_pins(constraints: Sequence[Mapping[str, Any]] | None) -> Callabl
 def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 1, tp: int = 1,
              pp: int = 1, fsdp: bool = False, sp: bool = False, microbatches: int = 1,
              checkpointing: str = "none", schedule: str = "1f1b", virtual_stages: int = 1,
-             batch_size: int | None = None, seq_len: int | None = None) -> Prediction:
-    """Predicted step time and memory of a hand layout (TorchTitan/Megatron style)."""
+             batch_size: int | None = None, seq_len: int | None = None, require_fit: bool = True) -> Prediction:
+    """Predicted step time and memory of a hand layout (TorchTitan/Megatron style);
+    ``require_fit`` as in :func:`hand_plan`."""
     return hand_plan(model, devices, profile, dp=dp, tp=tp, pp=pp, fsdp=fsdp, sp=sp,
                      microbatches=microbatches, checkpointing=checkpointing, schedule=schedule,
-                     virtual_stages=virtual_stages, batch_size=batch_size, seq_len=seq_len).prediction
+                     virtual_stages=virtual_stages, batch_size=batch_size, seq_len=seq_len,
+                     require_fit=require_fit).prediction
 
 
 def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 1, tp: int = 1,
               pp: int = 1, fsdp: bool = False, sp: bool = False, microbatches: int = 1,
               checkpointing: str = "none", schedule: str = "1f1b", virtual_stages: int = 1,
-              batch_size: int | None = None, seq_len: int | None = None) -> Plan:
+              batch_size: int | None = None, seq_len: int | None = None, require_fit: bool = True) -> Plan:
     """The plan of a hand layout (TorchTitan/Megatron style: projections column- then
     row-parallel on tp, norms and the residual stream sequence-parallel with ``sp``),
-    with the prediction ``estimate`` reports for it."""
+    with the prediction ``estimate`` reports for it.
+
+    A layout that does not fit in memory raises PlanningError, unless ``require_fit`` is
+    False: then it is priced with the memory bound lifted and comes back with
+    ``prediction.memory.fits`` False, so that ``estimate --json`` can report what it needs."""
     t0 = time.perf_counter()
     if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
         raise PlanningError(f"schedule: expected gpipe, 1f1b or interleaved-1f1b, got {schedule!r}")
     if virtual_stages < 1 or (virtual_stages > 1 and schedule != "interleaved-1f1b"):
         raise PlanningError(f"virtual_stages: {virtual_stages} needs schedule interleaved-1f1b")
+    if virtual_stages > 1 and pp == 1:
+        raise PlanningError(f"virtual_stages: {virtual_stages} needs a pipeline (pp > 1)")
     if pp < 1 or dp < 1 or tp < 1:
         raise PlanningError(f"pp, dp, tp: must be >= 1, got pp={pp} dp={dp} tp={tp}")
     if pp > 1 and microbatches < pp:
@@ -611,9 +696,11 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
         raise PlanningError(f"batch_size: {batch} is not divisible by dp*microbatches = {dp * microbatches}")
     divisor = _feature_divisor(graph, config) if config is not None else 1
     if tp > 1 and divisor % tp:
-        raise PlanningError(f"tp: {tp} does not divide the attention heads ({divisor})")
+        raise PlanningError(f"tp: {tp} does not divide {_heads_text(config)}")
     if pp > graph.graph["layers"]:
         raise PlanningError(f"pp: {pp} exceeds the model's {graph.graph['layers']} layers")
+    if pp > 1 and (why := schedule_blocker(graph.graph["layers"], pp, microbatches, schedule, virtual_stages)):
+        raise PlanningError(why)
     if pp > 1 and (why := pipeline_blocker(graph)):
         raise PlanningError(f"pp: the model cannot be cut into pipeline stages ({why})")
     names, shape = (("dp", "tp"), (dp, tp)) if tp > 1 else (("dp",), (dp,))
@@ -635,8 +722,14 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
 
     fixed = {"fsdp": fsdp, "checkpointing": checkpointing, "microbatches": microbatches,
              "schedules": ((schedule, virtual_stages),)}
-    best, _alts, need = _search(graph, prof, devices, batch, seq, [(names, shape)], divisor, None,
-                                lambda _m: None, fixed=fixed, pins=hand)
-    if best is None:
-        raise PlanningError(f"devices: this layout does not fit{need}")
-    return _assemble(model, graph, prof, devices, best, [], time.perf_counter() - t0)
+
+    def search(lift_memory: bool) -> Searched:
+        return _search(graph, prof, devices, batch, seq, [(names, shape)], divisor, None,
+                       lambda _m: None, fixed=fixed, pins=hand, lift_memory=lift_memory)
+
+    found = search(lift_memory=False)
+    if found.best is None and not require_fit:
+        found = search(lift_memory=True)  # only now: a layout that fits keeps the bound's choices
+    if found.best is None:
+        raise PlanningError(f"devices: this layout does not fit{found.need(prof)}")
+    return _assemble(model, graph, prof, devices, found.best, [], time.perf_counter() - t0)

@@ -287,6 +287,34 @@ def test_interleaved_micro_batches_come_in_rounds_of_pp(plans: dict[str, Plan]) 
     assert "microbatches: 3 with interleaved-1f1b on pp=2" in _refused(plan)
 
 
+@pytest.mark.parametrize(
+    "layers, layout, message",
+    [
+        (4, dict(virtual_stages=4, microbatches=2),
+         "virtual_stages: pp*virtual_stages=8 exceeds the model's 4 layers"),
+        (5, dict(virtual_stages=2, microbatches=2), "virtual_stages: 2 does not divide the model's 5 layers"),
+        (4, dict(virtual_stages=2, microbatches=3), "microbatches: 3 is not divisible by pp=2"),
+        (4, dict(virtual_stages=1, microbatches=3), "microbatches: 3 is not divisible by pp=2"),
+    ],
+)
+def test_hand_layouts_the_executor_cannot_schedule_name_the_field(layers: int, layout: dict, message: str) -> None:
+    """The executor's rules (above) refused by the planner, not reported as memory."""
+    config = {**CONFIG, "num_hidden_layers": layers}
+    with pytest.raises(planner.PlanningError) as e:
+        planner.estimate(config, 2, "cpu-gloo-local", pp=2, schedule="interleaved-1f1b",
+                         batch_size=6 if layout["microbatches"] == 3 else BATCH, seq_len=SEQ, **layout)
+    assert str(e.value).startswith(message)
+
+
+def test_interleaving_a_hand_layout_that_splits_evenly() -> None:
+    plan = planner.hand_plan(CONFIG, 2, "cpu-gloo-local", pp=2, schedule="interleaved-1f1b", virtual_stages=2,
+                             microbatches=2, batch_size=BATCH, seq_len=SEQ)
+    assert plan.pipeline.schedule == "interleaved-1f1b" and plan.pipeline.virtual_stages == 2
+    with pytest.raises(planner.PlanningError, match="^virtual_stages: 2 needs a pipeline"):
+        planner.estimate(CONFIG, 1, "cpu-gloo-local", schedule="interleaved-1f1b", virtual_stages=2,
+                         batch_size=BATCH, seq_len=SEQ)
+
+
 def test_sharding_on_the_pipeline_dim_is_refused(plans: dict[str, Plan]) -> None:
     plan = plans["pp2"].model_copy(deep=True)
     plan.parameters[0].placements[0] = "S(0)"

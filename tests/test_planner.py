@@ -105,6 +105,45 @@ def test_infeasible_reports_memory_needed():
     assert msg.startswith("devices:") and "GiB per device" in msg
 
 
+def test_batch_that_no_mesh_can_split_is_named_not_memory():
+    with pytest.raises(planner.PlanningError, match=r"^batch_size: .*2 is not divisible by dp=4 \(dp=4\)"):
+        planner.plan("llama-tiny", 4, "h100-sxm-80g", batch_size=2, mesh={"dp": 4})
+    with pytest.raises(planner.PlanningError, match=r"^batch_size: .*dp=4.*dp=2,tp=2"):
+        planner.plan("llama-tiny", 4, "h100-sxm-80g", batch_size=3)
+    # some meshes too small for the model, the others ruled out by the batch: both said
+    with pytest.raises(planner.PlanningError) as err:
+        planner.plan("llama3-405b", 8, "h100-sxm-80g", batch_size=4, seq_len=4096)
+    msg = str(err.value)
+    assert msg.startswith("devices:") and "GiB per device" in msg
+    assert "batch_size rules out the other meshes: 4 is not divisible by dp=8 (dp=8)" in msg
+
+
+def test_memory_in_messages_keeps_its_digits():
+    """A tiny profile's bytes are KiB, not "0.0 GiB"."""
+    from cost_model.profile import load_profile
+
+    tiny = {**load_profile("h100-sxm-80g").model_dump(), "memory_bytes": 100_000}
+    with pytest.raises(planner.PlanningError, match=r"needs \d+\.\d KiB per device, \d+\.\d KiB usable"):
+        planner.plan("llama-tiny", 2, tiny)
+
+
+def test_a_layout_that_does_not_fit_is_priced_when_asked():
+    """estimate --json reports fits=false: without FSDP, 8B of model states (16 B/param)
+    are 128 GB per device, beyond an 80 GB H100."""
+    kw = dict(dp=8, tp=1, batch_size=8, seq_len=4096)
+    with pytest.raises(planner.PlanningError, match="^devices: this layout does not fit"):
+        planner.estimate("llama3-8b", 8, "h100-sxm-80g", **kw)
+    pred = planner.estimate("llama3-8b", 8, "h100-sxm-80g", require_fit=False, **kw)
+    assert not pred.memory.fits and pred.memory.total > 128e9 > pred.memory.capacity
+    assert pred.time.step_time_s > 0
+    plan = planner.hand_plan("llama3-8b", 8, "h100-sxm-80g", require_fit=False, **kw)
+    assert plan.prediction == pred and plan.mesh.shape == (8,)
+    # a layout that fits is the same either way
+    fsdp = dict(kw, fsdp=True)
+    assert (planner.estimate("llama3-8b", 8, "h100-sxm-80g", require_fit=False, **fsdp)
+            == planner.estimate("llama3-8b", 8, "h100-sxm-80g", **fsdp))
+
+
 def hand_estimate(model: str, devices: int, profile: str, **kw) -> planner.Prediction | None:
     """A hand layout with the fewest micro-batches that fit (what a user would pick)."""
     for m in (1, 2, 4, 8, 16):
@@ -146,6 +185,15 @@ def test_bad_requests():
         planner.plan("llama-tiny", 2, "tpu-v9")
     with pytest.raises(planner.PlanningError, match="^constraints.0"):
         planner.plan("llama-tiny", 2, "h100-sxm-80g", constraints=[{"oops": 1}])
+    with pytest.raises(planner.PlanningError, match="^mesh: expected a mapping of dim name to size"):
+        planner.plan("llama-tiny", 2, "h100-sxm-80g", mesh="dp=2")
+    for limit in (-1, 0, math.nan, math.inf):
+        with pytest.raises(planner.PlanningError, match="^time_limit_s: must be a positive number"):
+            planner.plan("llama-tiny", 2, "h100-sxm-80g", time_limit_s=limit)
+    with pytest.raises(planner.PlanningError, match="^batch_size: must be a positive integer, got '2'"):
+        planner.plan("llama-tiny", 2, "h100-sxm-80g", batch_size="2")
+    with pytest.raises(planner.PlanningError, match="^tp: 8 does not divide the 4 attention heads and 2 key/value heads"):
+        planner.estimate("llama-tiny", 8, "h100-sxm-80g", tp=8, batch_size=8)
 
 
 @pytest.fixture(scope="module")

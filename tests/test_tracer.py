@@ -80,24 +80,62 @@ def test_hf_module_input():
     assert g.graph["layers"] == 2 and g.graph["model"] == "LlamaForCausalLM"
 
 
+LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
+
+
 @pytest.mark.parametrize(
-    "config, field",
+    "config, field, says",
     [
-        ({"model_type": "bert", "hidden_size": 8}, "model_type"),
-        ({**PRESETS["llama-tiny"], "hidden_size": -4}, "hidden_size"),
-        ({**PRESETS["llama-tiny"], "num_hidden_layers": 0}, "num_hidden_layers"),
-        ({**PRESETS["llama-tiny"], "hidden_size": 10**7}, "hidden_size"),
-        ({**PRESETS["llama-tiny"], "vocab_size": "big"}, "vocab_size"),
-        ({k: v for k, v in PRESETS["llama-tiny"].items() if k != "num_attention_heads"},
-         "num_attention_heads"),
-        ({**PRESETS["llama-tiny"], "num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"model_type": "bert", "hidden_size": 8}, "model_type", "'bert' is not supported"),
+        ({**LLAMA, "hidden_size": -4}, "hidden_size", "must be a positive integer, got -4"),
+        ({**LLAMA, "num_hidden_layers": 0}, "num_hidden_layers", "must be a positive integer, got 0"),
+        ({**LLAMA, "hidden_size": 10**7}, "hidden_size", "beyond the sanity limit"),
+        ({**LLAMA, "vocab_size": "big"}, "vocab_size", "must be a positive integer, got 'big'"),
+        ({k: v for k, v in LLAMA.items() if k != "num_attention_heads"}, "num_attention_heads", "missing"),
+        ({**LLAMA, "num_key_value_heads": 3}, "num_key_value_heads", "does not divide"),
+        # null sizes: a TypeError in the divisibility check, or transformers' truncated message
+        ({**LLAMA, "hidden_size": None}, "hidden_size", "must be a positive integer, got None"),
+        ({**LLAMA, "num_attention_heads": None}, "num_attention_heads", "must be a positive integer, got None"),
+        ({**LLAMA, "intermediate_size": None}, "intermediate_size", "must be a positive integer, got None"),
+        ({**GPT2, "n_embd": None}, "n_embd", "must be a positive integer, got None"),
+        ({**GPT2, "n_embd": 30}, "n_embd", "30 is not divisible by n_head 4"),
+        # a KeyError from transformers' registries, or a message that names nothing
+        ({**LLAMA, "hidden_act": "nosuchact"}, "hidden_act", "unknown activation 'nosuchact'"),
+        ({**GPT2, "activation_function": "nosuchact"}, "activation_function", "ACT2FN has: "),
+        ({**LLAMA, "rope_parameters": {"rope_type": "nonsense"}}, "rope_parameters.rope_type",
+         "unknown RoPE type 'nonsense' (supported: default, "),
+        ({**LLAMA, "rope_scaling": {"type": "nonsense"}}, "rope_scaling.type", "unknown RoPE type"),
+        ({**LLAMA, "rope_scaling": {"rope_type": "llama3"}}, "rope_scaling", "Missing required keys"),
+        ({**LLAMA, "head_dim": 7}, "head_dim", "RoPE requires an even rotary dimension"),
+        # accepted before, and the plan silently used the default sequence length
+        ({**LLAMA, "max_position_embeddings": 0}, "max_position_embeddings", "must be a positive integer, got 0"),
+        ({**LLAMA, "max_position_embeddings": -8}, "max_position_embeddings", "got -8"),
+        ({**GPT2, "n_positions": 0}, "n_positions", "must be a positive integer, got 0"),
     ],
 )
-def test_bad_configs_give_one_line_errors(config, field):
+def test_bad_configs_give_one_line_errors(config, field, says):
     with pytest.raises(ConfigError) as err:
         trace(config, 1, 16)
     msg = str(err.value)
-    assert msg.startswith(field) and "\n" not in msg
+    assert msg.startswith(f"{field}: ") and "\n" not in msg
+    assert says in msg
+
+
+def test_null_key_value_heads_mean_as_many_as_attention_heads():
+    """Hugging Face derives a null num_key_value_heads (and head_dim): not a mistake."""
+    config = load_config({**LLAMA, "num_key_value_heads": None, "head_dim": None})
+    assert config.num_key_value_heads == LLAMA["num_attention_heads"]
+
+
+def test_gpt2_builds_without_the_loss_type_warning(monkeypatch):
+    """GPT2LMHeadModel's class name names no loss, so transformers warned on every trace
+    that it falls back to the causal-LM loss; planning names that loss itself."""
+    from transformers import modeling_utils
+
+    warned: list[str] = []
+    monkeypatch.setattr(modeling_utils.logger, "warning_once", lambda msg, *a, **k: warned.append(msg))
+    trace("gpt2-tiny", 1, 16)
+    assert not [w for w in warned if "loss_type" in w]
 
 
 def test_bad_model_names_and_files(tmp_path):
