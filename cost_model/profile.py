@@ -11,7 +11,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
@@ -293,3 +293,18 @@ def load_profile(spec: str | Path | dict | Profile, allow_paths: bool = True) ->
         )
     # pydantic reports both malformed JSON and bad values as a ValidationError naming the field.
     return Profile.model_validate_json(path.read_text())
+
+
+def problem_lines(error: ValidationError) -> list[str]:
+    """pydantic's errors as ``field.path: problem`` lines, the form docs/cost_model.md
+    promises (``levels.0.busbw.all_reduce: Input should be greater than 0``).  The raw
+    ``str(error)`` spreads each problem over lines with a URL, which neither an HTTP
+    ``detail`` nor a one-line CLI error can carry; callers prefix where the profile came
+    from.  A model validator's message already names its field (``levels.1.devices: ...``),
+    so an error without a location is taken as is."""
+    lines = []
+    for e in error.errors(include_url=False):
+        problem = e["msg"].removeprefix("Value error, ")
+        where = ".".join(str(part) for part in e["loc"])
+        lines.append(f"{where}: {problem}" if where else problem)
+    return lines

@@ -11,18 +11,23 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Query, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi import Path as PathParam
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cost_model.profile import Profile, load_profile, problem_lines, shipped_profiles
+from planner.presets import ConfigError
 from service.models import (
     ErrorResponse,
     Health,
@@ -35,6 +40,7 @@ from service.models import (
 )
 from service.store import ID_LENGTH, PlanStore, StoredPlan, default_db_path
 from service.worker import (
+    ModelConfigError,
     PlannerBusy,
     PlannerFailed,
     PlannerPool,
@@ -52,7 +58,8 @@ VIEWER_CSP = ("default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'se
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (404, 413, 422, 503, 504)
 }
-PLAN_ID = PathParam(pattern=f"^[0-9a-f]{{{ID_LENGTH}}}$", description="plan id")
+# No pattern: an id of the wrong form is an id that is not there (404), not a 422.
+PLAN_ID = PathParam(description=f"plan id ({ID_LENGTH} hex digits)")
 
 
 class BodySizeLimit:
@@ -114,11 +121,42 @@ def validation_message(errors: list[dict[str, Any]]) -> str:
 
 @lru_cache(maxsize=1)
 def _shipped_profiles() -> tuple[str, ...]:
-    try:
-        from cost_model.profile import shipped_profiles
-    except ImportError as e:
-        raise PlannerUnavailable(f"profiles are not available yet ({e})") from None
     return tuple(shipped_profiles())
+
+
+@cache
+def _shipped_profile(name: str) -> Profile:
+    return load_profile(name)
+
+
+def _check_profile(profile: str | dict[str, Any]) -> None:
+    """A profile the planner can use, checked in the server process (pydantic, no torch):
+    a shipped name, or an inline profile that validates and does not pass itself off as
+    a shipped one.  A plan records and lists its profile by name only, so an inline
+    "h100-sxm-80g" with other numbers would be indistinguishable from the real one."""
+    shipped = _shipped_profiles()
+    if isinstance(profile, str):
+        if profile not in shipped:
+            raise HTTPException(422, f"profile: {profile!r} is not a shipped profile "
+                                     f"({', '.join(shipped)}); or send the profile inline")
+        return
+    try:
+        inline = Profile.model_validate(profile)
+    except ValidationError as e:
+        raise HTTPException(422, "\n".join(f"profile.{line}" for line in problem_lines(e))) from None
+    if inline.name in shipped and inline != _shipped_profile(inline.name):
+        raise HTTPException(422, f"profile.name: {inline.name!r} is a shipped profile's name, but the "
+                                 "numbers differ from it; give the inline profile a name of its own")
+
+
+async def _json_body(request: Request) -> None:
+    """POST bodies must say they are JSON: FastAPI would otherwise validate the raw bytes
+    of a form or text body and answer 'body: Input should be a valid dictionary'."""
+    content_type = request.headers.get("content-type", "")
+    media = content_type.partition(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise HTTPException(415, f"Content-Type: the body must be sent as application/json, "
+                                 f"got {content_type or 'none'!r}")
 
 
 def _summary(row: StoredPlan) -> PlanSummary:
@@ -160,6 +198,16 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse({"detail": validation_message(list(exc.errors()))}, status_code=422)
 
+    @app.exception_handler(StarletteHTTPException)  # what FastAPI raises on an undecodable body
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # FastAPI's answer to a body it cannot decode names nothing; bytes that are not
+        # UTF-8 are the one case a client can fix without being told more.
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            cause = exc.__cause__
+            return JSONResponse({"detail": f"body: not valid UTF-8 JSON (byte {cause.object[cause.start]:#04x} "
+                                           f"at position {cause.start})"}, status_code=400)
+        return await http_exception_handler(request, exc)
+
     @app.exception_handler(PlannerUnavailable)
     async def _unavailable(_request: Request, exc: PlannerUnavailable) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=503)
@@ -169,12 +217,15 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
         return JSONResponse({"detail": str(exc)}, status_code=500)
 
     async def solve(request: PlanRequest, key: str) -> StoredPlan:
-        limit = request.time_limit_s or default_time_limit_s
+        limit = request.time_limit_s
+        assert limit is not None, "with_defaults fills it"
         kwargs = {"model": request.planner_model(), "devices": request.devices,
                   "profile": request.profile, "batch_size": request.batch_size,
                   "seq_len": request.seq_len, "mesh": request.mesh, "time_limit_s": limit}
         try:
             plan = await pool.plan(key[:8], kwargs, hard_limit_s=2 * limit + 30)
+        except ModelConfigError as e:
+            raise HTTPException(422, request.config_error(str(e))) from None
         except PlanningInputError as e:
             raise HTTPException(422, str(e)) from None
         except PlannerBusy as e:
@@ -185,17 +236,20 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
 
     @app.post("/v1/plans", status_code=201, response_model=PlanResponse, responses={
         200: {"model": PlanResponse, "description": "an identical request was planned before"},
-        **_ERRORS})
+        415: {"model": ErrorResponse, "description": "the body is not sent as application/json"},
+        **_ERRORS}, dependencies=[Depends(_json_body)])
     async def create_plan(request: PlanRequest) -> Response:
         """Plan a model on a cluster; the same request again returns the stored plan (200)."""
-        if isinstance(request.profile, str) and request.profile not in _shipped_profiles():
-            raise HTTPException(422, f"profile: {request.profile!r} is not a shipped profile "
-                                     f"({', '.join(_shipped_profiles())}); or send the profile inline")
+        _check_profile(request.profile)
         if request.batch_size is None or request.seq_len is None:
             try:  # builds the model's config: off the event loop
-                request = await run_in_threadpool(request.with_defaults)
+                request = await run_in_threadpool(request.with_defaults, default_time_limit_s)
+            except ConfigError as e:
+                raise HTTPException(422, request.config_error(str(e))) from None
             except ValueError as e:
                 raise HTTPException(422, str(e)) from None
+        else:
+            request = request.with_defaults(default_time_limit_s)
         key = request.key()
         row = store.get_by_key(key)
         cached = row is not None
@@ -226,9 +280,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
         if name not in _shipped_profiles():
             raise HTTPException(404, f"name: {name!r} is not a shipped profile "
                                      f"({', '.join(_shipped_profiles())})")
-        from cost_model.profile import load_profile
-
-        return load_profile(name).model_dump(mode="json")
+        return _shipped_profile(name).model_dump(mode="json")
 
     @app.get("/healthz", response_model=Health)
     async def healthz() -> Health:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
+import sqlite3
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,16 +39,40 @@ def _require(module: str, name: str) -> Any:
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """``dp=8,tp=8`` -> {"dp": 8, "tp": 8}."""
+    """``dp=8,tp=8`` -> {"dp": 8, "tp": 8}, within the HTTP API's limits (service.limits)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from service.limits import MeshShape
+
     mesh: dict[str, int] = {}
     for part in text.split(","):
         name, sep, size = part.strip().partition("=")
-        if not sep or not name or not size.isdigit() or int(size) < 1:
+        if not sep or not name or not size.isdigit():
             raise argparse.ArgumentTypeError(f"{part!r} is not NAME=SIZE (e.g. dp=8,tp=8)")
         if name in mesh:
             raise argparse.ArgumentTypeError(f"dim {name!r} given twice")
         mesh[name] = int(size)
-    return mesh
+    try:
+        return TypeAdapter(MeshShape).validate_python(mesh)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = first["loc"][0] if first["loc"] else "mesh"
+        raise argparse.ArgumentTypeError(f"{where}: {first['msg']} (NAME=SIZE, e.g. dp=8,tp=8)") from None
+
+
+def _limited(kind_name: str) -> Callable[[str], Any]:
+    """An argparse type checking a value against the HTTP API's bound ``kind_name`` in
+    service.limits, so the CLI plans nothing the service would refuse."""
+
+    def parse(text: str) -> Any:
+        from service import limits
+
+        try:
+            return limits.parse_text(getattr(limits, kind_name), text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
 
 
 def _positive(text: str) -> int:
@@ -54,14 +81,10 @@ def _positive(text: str) -> int:
     return int(text)
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0 to 65535; 0: any free port)")
+    return int(text)
 
 
 def _workload(args: argparse.Namespace) -> tuple[int, int]:
@@ -77,27 +100,61 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from service.app import create_app
     from service.store import default_db_path
 
-    db = args.db or default_db_path()
+    db = Path(args.db) if args.db is not None else default_db_path()
+    _check_listen(args.host, args.port)
+    try:
+        app = create_app(db, workers=args.workers, default_time_limit_s=args.time_limit)
+    except (OSError, sqlite3.Error) as e:  # opened here, before uvicorn starts
+        problem = "is a directory" if db.is_dir() else f"cannot be used as an SQLite plan store ({e})"
+        raise UserError(f"--db: {db} {problem}") from None
     _progress(f"meshplan: plans stored in {db}; viewer at http://{args.host}:{args.port}/")
-    app = create_app(db, workers=args.workers, default_time_limit_s=args.time_limit)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
-def _check_output_dir(path: str) -> None:
-    """Fail before minutes of work, not after."""
-    if not Path(path).parent.is_dir():
-        raise UserError(f"-o: directory {Path(path).parent} does not exist")
+def _check_listen(host: str, port: int) -> None:
+    """A taken port or an unknown host as one line before anything starts, instead of
+    uvicorn's log after the workers were spawned.  (Racy by nature: the port can still
+    be taken in between, which uvicorn then reports.)"""
+    try:
+        family, kind, proto, _name, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise UserError(f"--host: cannot resolve {host!r} ({e.strerror})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise UserError(f"--port: cannot listen on {host}:{port} ({e.strerror})") from None
+
+
+def _check_output(args: argparse.Namespace) -> None:
+    """``-o``: fail before minutes of work, not after."""
+    if args.output is None:
+        return
+    path = Path(args.output)
+    if not args.output:
+        raise UserError("-o: empty path")
+    if path.is_dir():
+        raise UserError(f"-o: {path} is a directory")
+    if not path.parent.is_dir():
+        raise UserError(f"-o: directory {path.parent} does not exist")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise UserError(f"-o: cannot write {path}: permission denied")
+
+
+def _check_estimate(args: argparse.Namespace) -> None:
+    if args.virtual_stages > 1 and args.pp == 1:
+        raise UserError(f"--virtual-stages: {args.virtual_stages} stages per rank need a pipeline (--pp > 1)")
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
     plan_fn = _require("planner", "plan")
-    if args.output:
-        _check_output_dir(args.output)
     batch, seq = _workload(args)
     plan = plan_fn(args.model, devices=args.devices, profile=args.profile, batch_size=batch,
                    seq_len=seq, mesh=args.mesh, time_limit_s=args.time_limit, progress=_progress)
     text = plan.to_json()
-    if args.output:
+    if args.output is not None:
         _write(args.output, text + "\n")
         _progress(f"wrote {args.output}")
     else:
@@ -110,7 +167,8 @@ def cmd_estimate(args: argparse.Namespace) -> None:
     pred = estimate(args.model, args.devices, args.profile, dp=args.dp, tp=args.tp, pp=args.pp,
                     fsdp=args.fsdp, sp=args.sp, microbatches=args.microbatches,
                     checkpointing=args.checkpointing, schedule=args.schedule,
-                    virtual_stages=args.virtual_stages, batch_size=batch, seq_len=seq)
+                    virtual_stages=args.virtual_stages, batch_size=batch, seq_len=seq,
+                    require_fit=False)  # a layout that does not fit is reported, fits false
     if args.json:
         print(json.dumps(estimate_json(pred), indent=2))
     else:
@@ -153,7 +211,27 @@ def cmd_show(args: argparse.Namespace) -> None:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "plan"
         raise UserError(f"{args.plan}: {where}: {first['msg']} ({e.error_count()} problem(s))") from None
+    problems = _placement_problems(plan)
+    if problems:
+        raise UserError(f"{args.plan}: {problems[0]} ({len(problems)} problem(s))")
     print(render_plan(plan))
+
+
+def _placement_problems(plan: Any) -> list[str]:
+    """The placements that the plan's own fingerprint shapes cannot take (``S(9)`` of a
+    matrix), which the schema alone lets through and the view would index out of range.
+    They are executor.apply's checks, reused so that ``show`` refuses what ``apply`` would
+    (it imports torch: a second or two)."""
+    from executor.apply import _mesh_roles
+    from executor.apply import _placement_problems as check
+
+    problems: list[str] = []
+    layout = _mesh_roles(plan, problems)
+    for p in plan.parameters:
+        shape = plan.fingerprint.params.get(p.fqn)
+        if shape is not None:
+            problems += check(p.fqn, tuple(shape), p.placements, plan.mesh.names, plan.mesh.shape, layout)
+    return problems
 
 
 def cmd_profiles(_args: argparse.Namespace) -> None:
@@ -175,7 +253,6 @@ def cmd_profiles(_args: argparse.Namespace) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> None:
     calibrate = _require("cost_model.calibrate", "calibrate")
     output = Path(args.output)
-    _check_output_dir(args.output)
     try:
         calibrate(output, progress=_progress)
     except OSError as e:
@@ -198,47 +275,61 @@ def _write(path: str, text: str) -> None:
 # -- parser ---------------------------------------------------------------------
 def _workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="preset name or path to a Hugging Face config.json")
-    p.add_argument("--devices", type=_positive, required=True, help="number of devices")
+    p.add_argument("--devices", type=_limited("Devices"), required=True, help="number of devices")
     p.add_argument("--profile", required=True, help="shipped profile name or path to a profile JSON")
-    p.add_argument("--batch-size", type=_positive, help="global batch in sequences (default: one per device)")
-    p.add_argument("--seq-len", type=_positive,
+    p.add_argument("--batch-size", type=_limited("BatchSize"),
+                   help="global batch in sequences (default: one per device)")
+    p.add_argument("--seq-len", type=_limited("SeqLen"),
                    help="sequence length (default: the model's max positions, at most 4096)")
 
 
+def _no_checks(_args: argparse.Namespace) -> None:
+    """Subcommands whose arguments need no check beyond argparse's."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshplan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="meshplan", description="Plan, estimate and view sharding plans for distributed PyTorch "
+        "training, and serve them over HTTP.")
+    parser.set_defaults(check=_no_checks)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run the planner service and plan viewer")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (default: %(default)s)")
     p.add_argument("--db", help="SQLite plan store (default: $XDG_DATA_HOME/meshplan/plans.db)")
-    p.add_argument("--workers", type=_positive, default=2, help="planner worker processes")
-    p.add_argument("--time-limit", type=_seconds, default=60.0,
-                   help="solver time limit when a request sets none (seconds)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--workers", type=_positive, default=2, help="planner worker processes (default: %(default)s)")
+    p.add_argument("--time-limit", type=_limited("TimeLimit"), default=60.0,
+                   help="solver time limit in seconds when a request sets none (default: %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: %(default)s)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plan", help="plan a model on a cluster, print or write the plan JSON")
     _workload_args(p)
-    p.add_argument("--mesh", type=parse_mesh, help="force a mesh, e.g. dp=8,tp=8")
-    p.add_argument("--time-limit", type=_seconds, help="solver time limit (seconds)")
+    p.add_argument("--mesh", type=parse_mesh, help="force a mesh, e.g. dp=8,tp=8 (default: search)")
+    p.add_argument("--time-limit", type=_limited("TimeLimit"), help="solver time limit in seconds (default: none)")
     p.add_argument("-o", "--output", help="write the plan here instead of printing it")
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=cmd_plan, check=_check_output)
 
     p = sub.add_parser("estimate", help="predict step time and memory of one configuration")
     _workload_args(p)
-    p.add_argument("--dp", type=_positive, required=True)
-    p.add_argument("--tp", type=_positive, required=True)
-    p.add_argument("--pp", type=_positive, default=1)
+    p.add_argument("--dp", type=_positive, required=True, help="data-parallel degree")
+    p.add_argument("--tp", type=_positive, required=True, help="tensor-parallel degree")
+    p.add_argument("--pp", type=_positive, default=1, help="pipeline stages (default: %(default)s)")
     p.add_argument("--fsdp", action="store_true", help="shard parameters and optimizer state over dp")
     p.add_argument("--sp", action="store_true", help="sequence parallel activations over tp")
-    p.add_argument("--microbatches", type=_positive, default=1)
-    p.add_argument("--checkpointing", choices=["none", "selective", "full"], default="none")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b")
-    p.add_argument("--virtual-stages", type=_positive, default=1)
+    p.add_argument("--microbatches", type=_positive, default=1,
+                   help="micro-batches per step and data-parallel rank (gradient accumulation, or "
+                   "pipeline micro-batches; default: %(default)s)")
+    p.add_argument("--checkpointing", choices=["none", "selective", "full"], default="none",
+                   help="activation checkpointing (default: %(default)s)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b",
+                   help="pipeline schedule when --pp > 1 (default: %(default)s)")
+    p.add_argument("--virtual-stages", type=_positive, default=1,
+                   help="pipeline stages per rank, with --schedule interleaved-1f1b (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_estimate)
+    p.set_defaults(func=cmd_estimate, check=_check_estimate)
 
     p = sub.add_parser("show", help="terminal view of a plan.json")
     p.add_argument("plan", help="path to a plan JSON")
@@ -249,25 +340,43 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="measure this machine into a profile JSON")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
-    p.set_defaults(func=cmd_calibrate)
+    p.set_defaults(func=cmd_calibrate, check=_check_output)
 
     p = sub.add_parser("schema", help="print the plan JSON Schema")
     p.set_defaults(func=cmd_schema)
     return parser
 
 
+def _one_line(e: Exception, args: argparse.Namespace) -> str:
+    """The error as one ``field: problem`` line."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError) and e.title == "Profile":  # the --profile file (or name)
+        from cost_model.profile import problem_lines
+
+        lines = problem_lines(e)
+        return f"profile {args.profile}: {lines[0]} ({len(lines)} problem(s))"
+    # The planner's ConfigError / PlanningError name the field; join any continuation lines.
+    return " ".join(str(e).split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check: Callable[[argparse.Namespace], None] = args.check
     func: Callable[[argparse.Namespace], None] = args.func
     try:
+        check(args)
         func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not as a message at exit
     except (UserError, ValueError, FileNotFoundError) as e:
-        # ValueError: the planner's ConfigError / PlanningError / profile and pydantic
-        # validation errors, whose messages name the field.
-        message = " ".join(str(e).split())
-        print(f"meshplan: error: {message}", file=sys.stderr)
+        print(f"meshplan: error: {_one_line(e, args)}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # The reader went away (`meshplan plan ... | head`): the standard handling from
+        # Python's signal docs, so the interpreter's exit flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

@@ -20,18 +20,13 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
-    StringConstraints,
     Tag,
     field_validator,
 )
 
 from planner.presets import PRESETS
 from planner.search import DEFAULT_SEQ_LEN_CAP, default_shape
-
-MAX_DEVICES = 1 << 20
-MAX_BATCH_SIZE = 1 << 24
-MAX_SEQ_LEN = 1 << 21
-MAX_TIME_LIMIT_S = 600.0
+from service.limits import BatchSize, Devices, MeshShape, SeqLen, TimeLimit
 
 # Config keys that make transformers look outside the config (remote code, hub
 # kernels, quantisers, files).  load_config ignores most of them, but a server
@@ -40,8 +35,6 @@ _FORBIDDEN_HF_KEYS = frozenset({
     "auto_map", "trust_remote_code", "quantization_config", "attn_implementation",
     "name_or_path", "_name_or_path", "_commit_hash", "custom_pipelines",
 })
-
-MeshDimName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,15}$")]
 
 
 class _Request(BaseModel):
@@ -72,21 +65,21 @@ class PlanRequest(_Request):
     model: ModelSpec = Field(
         description=f"a preset name ({', '.join(PRESETS)}) or {{\"hf_config\": {{...}}}}",
         examples=["llama3-8b"])
-    devices: int = Field(ge=1, le=MAX_DEVICES, examples=[64])
+    devices: Devices = Field(examples=[64])
     profile: str | dict[str, Any] = Field(
         description="a shipped profile name (GET /v1/profiles) or an inline profile object",
         examples=["h100-sxm-80g"])
-    batch_size: int | None = Field(
-        default=None, ge=1, le=MAX_BATCH_SIZE,
+    batch_size: BatchSize | None = Field(
+        default=None,
         description="global batch in sequences; default: one sequence per device")
-    seq_len: int | None = Field(
-        default=None, ge=1, le=MAX_SEQ_LEN,
+    seq_len: SeqLen | None = Field(
+        default=None,
         description=f"default: the model's maximum positions, capped at {DEFAULT_SEQ_LEN_CAP}")
-    mesh: dict[MeshDimName, Annotated[int, Field(ge=1, le=MAX_DEVICES)]] | None = Field(
-        default=None, max_length=8, description='force a mesh, e.g. {"dp": 8, "tp": 8}',
+    mesh: MeshShape | None = Field(
+        default=None, description='force a mesh, e.g. {"dp": 8, "tp": 8}',
         examples=[{"dp": 8, "tp": 8}])
-    time_limit_s: float | None = Field(
-        default=None, gt=0, le=MAX_TIME_LIMIT_S, description="solver time limit in seconds")
+    time_limit_s: TimeLimit | None = Field(
+        default=None, description="solver time limit in seconds; default: the server's --time-limit")
 
     @field_validator("model")
     @classmethod
@@ -101,13 +94,31 @@ class PlanRequest(_Request):
         """What ``planner.plan`` is given as ``model``."""
         return self.model if isinstance(self.model, str) else self.model.hf_config
 
-    def with_defaults(self) -> PlanRequest:
-        """The request with batch_size and seq_len filled in, so that requests that differ
-        only by spelling a default out hash to the same plan."""
-        if self.batch_size is not None and self.seq_len is not None:
-            return self
-        batch, seq = default_shape(self.planner_model(), self.devices, self.batch_size, self.seq_len)
-        return self.model_copy(update={"batch_size": batch, "seq_len": seq})
+    def with_defaults(self, time_limit_s: float) -> PlanRequest:
+        """The request with every default filled in (``time_limit_s``: the server's), so
+        that requests that differ only by spelling a default out hash to the same plan.
+        Filling batch_size or seq_len builds the model's config: call off the event loop."""
+        update: dict[str, Any] = {"time_limit_s": self.time_limit_s or time_limit_s}
+        if self.batch_size is None or self.seq_len is None:
+            update["batch_size"], update["seq_len"] = default_shape(
+                self.planner_model(), self.devices, self.batch_size, self.seq_len)
+        return self.model_copy(update=update)
+
+    def config_error(self, message: str) -> str:
+        """A planner ConfigError's message at the request's path.  The planner names the
+        keys of the config it was given (``model_type: ...``); a client sent them under
+        ``model.hf_config``.  Lines naming a request field (``seq_len: ...``) stay."""
+        if isinstance(self.model, str):
+            return message
+        lines = []
+        for line in message.splitlines():
+            field = line.partition(":")[0]
+            if field == "model":
+                line = "model.hf_config" + line.removeprefix("model")
+            elif field not in type(self).model_fields:
+                line = f"model.hf_config.{line}"
+            lines.append(line)
+        return "\n".join(lines)
 
     def key(self) -> str:
         """Content address of a (defaults-filled) request: canonical JSON and the planner's

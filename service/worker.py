@@ -44,6 +44,11 @@ class PlanningInputError(ValueError):
     """The planner rejected the request; the message names the field."""
 
 
+class ModelConfigError(PlanningInputError):
+    """The planner rejected the model's config (its ConfigError): the message names the
+    config's keys, which the service places under the request's ``model.hf_config``."""
+
+
 def _worker_main(conn: Connection) -> None:
     """Child process: import the planner once (seconds: torch, transformers), then
     serve jobs until the pipe closes."""
@@ -52,6 +57,7 @@ def _worker_main(conn: Connection) -> None:
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     try:
         from planner import plan as plan_fn
+        from planner.presets import ConfigError
     except ImportError as e:
         plan_fn, missing = None, f"planner.plan is not available yet ({e})"
     while True:
@@ -65,6 +71,8 @@ def _worker_main(conn: Connection) -> None:
         try:
             plan = plan_fn(**kwargs, progress=lambda line, tag=tag: print(f"[plan {tag}] {line}", file=sys.stderr))
             answer = ("ok", plan.to_json(indent=None))
+        except ConfigError as e:
+            answer = ("config_error", str(e))
         except ValueError as e:
             answer = ("user_error", str(e))
         except Exception as e:  # noqa: BLE001 - a planner bug must reach the client as a 500, not kill the worker
@@ -168,6 +176,8 @@ class PlannerPool:
             return Plan.from_json(payload)
         if status == "user_error":
             raise PlanningInputError(payload)
+        if status == "config_error":
+            raise ModelConfigError(payload)
         if status == "unavailable":
             raise PlannerUnavailable(payload)
         raise PlannerFailed(f"planner failed: {payload}")

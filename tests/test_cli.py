@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from planner.schema import Plan, plan_json_schema
-from service.cli import main, parse_mesh
+from service.cli import build_parser, main, parse_mesh
+from service.limits import MAX_BATCH_SIZE, MAX_DEVICES
 
 PROFILE = "h100-sxm-80g"
 TINY = ["llama-tiny", "--devices", "2", "--profile", PROFILE, "--batch-size", "4", "--seq-len", "32"]
@@ -69,6 +71,22 @@ def test_estimate_json_has_the_promised_fields(capsys: pytest.CaptureFixture[str
     assert out["peak_memory_bytes_per_device"] == out["breakdown"]["memory"]["total"] > 0
 
 
+def test_estimate_reports_a_layout_that_does_not_fit(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """SPEC's ``fits``: a script asks whether a layout fits and gets false, not an error."""
+    from cost_model.profile import load_profile
+
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({**load_profile(PROFILE).model_dump(mode="json"), "name": "small",
+                                 "memory_bytes": 100_000}))
+    argv = ["estimate", "llama-tiny", "--devices", "2", "--profile", str(small), "--dp", "2", "--tp", "1"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["peak_memory_bytes_per_device"] > 100_000
+    assert main(argv) == 0
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
 def test_estimate_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", *TINY, "--dp", "1", "--tp", "2", "--sp"]) == 0
     out = capsys.readouterr().out
@@ -92,7 +110,7 @@ def test_profiles_lists_the_shipped_ones(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_parse_mesh() -> None:
     assert parse_mesh("dp=8,tp=8") == {"dp": 8, "tp": 8}
-    for bad in ("dp8", "dp=0", "dp=x", "dp=2,dp=2", "=2"):
+    for bad in ("dp8", "dp=0", "dp=x", "dp=2,dp=2", "=2", f"dp={MAX_DEVICES + 1}", "DP=2"):
         with pytest.raises(Exception, match="NAME=SIZE|twice"):
             parse_mesh(bad)
 
@@ -102,9 +120,14 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
     (tmp_path / "notjson.json").write_text("{nope")
     (tmp_path / "notaplan.json").write_text(json.dumps({"model": "x"}))
-    return {name.removesuffix(".json"): str(tmp_path / name)
-            for name in ("bert.json", "notjson.json", "notaplan.json")} | {
-        "missing": str(tmp_path / "missing.json"), "nodir": str(tmp_path / "no" / "such" / "p.json")}
+    profile = json.loads((Path(__file__).parents[1] / "profiles" / f"{PROFILE}.json").read_text())
+    profile["levels"][0]["busbw"]["all_reduce"] = -1
+    (tmp_path / "badprofile.json").write_text(json.dumps(profile))
+    (tmp_path / "notadb.db").write_text("not SQLite\n" * 100)
+    return {name.removesuffix(".json").removesuffix(".db"): str(tmp_path / name)
+            for name in ("bert.json", "notjson.json", "notaplan.json", "badprofile.json", "notadb.db")} | {
+        "missing": str(tmp_path / "missing.json"), "nodir": str(tmp_path / "no" / "such" / "p.json"),
+        "dir": str(tmp_path)}
 
 
 @pytest.mark.parametrize(("argv", "names"), [
@@ -118,6 +141,15 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["show", "{notjson}"], "is not JSON"),
     (["show", "{notaplan}"], "Field required"),
     (["calibrate", "-o", "{nodir}"], "-o: directory"),
+    (["plan", *TINY, "-o", ""], "-o: empty path"),
+    (["plan", *TINY, "-o", "{dir}"], "is a directory"),
+    (["calibrate", "-o", "{dir}"], "is a directory"),
+    (["plan", *TINY, "--profile", "{badprofile}"],
+     "badprofile.json: levels.0.busbw.all_reduce: Input should be greater than 0 (1 problem(s))"),
+    (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"],
+     "--virtual-stages: 2 stages per rank need a pipeline (--pp > 1)"),
+    (["serve", "--port", "0", "--db", "{dir}"], "--db: "),
+    (["serve", "--port", "0", "--db", "{notadb}"], "cannot be used as an SQLite plan store"),
 ])
 def test_user_mistakes_are_one_line_and_exit_2(argv: list[str], names: str, bad_files: dict[str, str],
                                                capsys: pytest.CaptureFixture[str]) -> None:
@@ -138,6 +170,76 @@ def test_argument_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
             main(argv)
         assert exit_info.value.code == 2
         assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "names"), [
+    (["plan", *TINY, "--devices", "99999999999999999999"], f"--devices: '99999999999999999999': Input should "
+                                                            f"be less than or equal to {MAX_DEVICES}"),
+    (["plan", *TINY, "--batch-size", str(MAX_BATCH_SIZE + 1)], "--batch-size"),
+    (["plan", *TINY, "--time-limit", "inf"], "--time-limit: 'inf': Input should be a finite number"),
+    (["plan", *TINY, "--time-limit", "nan"], "--time-limit: 'nan': Input should be a finite number"),
+    (["plan", *TINY, "--time-limit", "-1"], "--time-limit: '-1': Input should be greater than 0"),
+    (["plan", *TINY, "--time-limit", "601"], "--time-limit"),
+    (["serve", "--time-limit", "inf"], "--time-limit"),
+    (["serve", "--port", "99999"], "--port: '99999' is not a TCP port"),
+    (["serve", "--port", "-1"], "--port"),
+])
+def test_values_beyond_the_http_limits_are_argument_errors(argv: list[str], names: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI refuses what POST /v1/plans refuses (the same service.limits), before any work."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert names in err and "Traceback" not in err, err
+
+
+def test_serve_refuses_a_taken_port(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--db", str(tmp_path / "plans.db")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"meshplan: error: --port: cannot listen on 127.0.0.1:{port}"), err
+
+
+def test_show_refuses_placements_the_shapes_cannot_take(plan_file: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan that passes the schema but shards a matrix on dim 9: apply's message, not an IndexError."""
+    data = json.loads(plan_file.read_text())
+    first = data["parameters"][0]
+    first["placements"] = ["S(9)"] + first["placements"][1:]
+    bad = tmp_path / "s9.json"
+    bad.write_text(json.dumps(data))
+    assert main(["show", str(bad)]) == 2
+    captured = capsys.readouterr()
+    dim = data["mesh"]["dims"][0]["name"]
+    assert captured.err.strip() == (f"meshplan: error: {bad}: {first['fqn']}: S(9) on mesh dim {dim!r}, "
+                                    "but the parameter has 2 dims (1 problem(s))"), captured.err
+    assert not captured.out
+
+
+def test_help_reads_well() -> None:
+    parser = build_parser()
+    assert "``" not in parser.format_help()
+    sub = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    estimate, serve = sub["estimate"].format_help(), sub["serve"].format_help()
+    for text in ("data-parallel degree", "(default: 1f1b)", "pipeline stages per rank"):
+        assert text in " ".join(estimate.split()), estimate
+    for text in ("(default: 127.0.0.1)", "(default: 8000)", "(default: 2)", "(default: 60.0)"):
+        assert text in " ".join(serve.split()), serve
+
+
+def test_a_closed_stdout_ends_quietly() -> None:
+    """``meshplan schema | head -c 0``: no BrokenPipeError traceback."""
+    exe = Path(sys.executable).with_name("meshplan")
+    proc = subprocess.Popen([str(exe), "schema"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the command writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1, err
+    assert err == "", err
 
 
 def test_console_script_reports_errors_without_traceback(tmp_path: Path) -> None:

@@ -9,18 +9,32 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from cost_model.profile import load_profile
 from planner.schema import Plan
-from service.models import MAX_TIME_LIMIT_S, PlanRequest
+from service.limits import MAX_TIME_LIMIT_S
+from service.models import PlanRequest
 from service.process import ServerProcess
 from service.worker import PlannerPool, PlanningInputError, PlanningTimeout
 
 PROFILE = "h100-sxm-80g"
 TINY = {"model": "llama-tiny", "devices": 2, "profile": PROFILE, "batch_size": 4, "seq_len": 32}
+
+
+def _inline_profile(name: str = PROFILE, all_reduce: float | None = None, bf16: float | None = None) -> dict:
+    """The shipped profile as an inline dict, renamed or with one number changed."""
+    profile = load_profile(PROFILE).model_dump(mode="json") | {"name": name}
+    if all_reduce is not None:
+        profile["levels"][0]["busbw"]["all_reduce"] = all_reduce
+    if bf16 is not None:
+        profile["peak_flops"]["bf16"] = bf16
+    return profile
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +68,16 @@ def test_plan_is_created_stored_listed_and_cached(server: ServerProcess) -> None
 
 
 def test_spelled_out_defaults_are_the_same_request() -> None:
-    implicit = PlanRequest(model="llama-tiny", devices=2, profile=PROFILE).with_defaults()
-    # One sequence per device; the model's max positions (128) capped at 4096.
-    assert (implicit.batch_size, implicit.seq_len) == (2, 128)
-    explicit = PlanRequest.model_validate_json(
-        '{"seq_len": 128, "profile": "h100-sxm-80g", "batch_size": 2, "devices": 2, "model": "llama-tiny"}')
-    assert explicit.with_defaults().key() == implicit.key()
-    assert PlanRequest(model="llama-tiny", devices=4, profile=PROFILE).with_defaults().key() != implicit.key()
+    implicit = PlanRequest(model="llama-tiny", devices=2, profile=PROFILE).with_defaults(60.0)
+    # One sequence per device; the model's max positions (128) capped at 4096; the server's limit.
+    assert (implicit.batch_size, implicit.seq_len, implicit.time_limit_s) == (2, 128, 60.0)
+    for explicit in ('{"seq_len": 128, "profile": "h100-sxm-80g", "batch_size": 2, "devices": 2, '
+                     '"model": "llama-tiny"}',
+                     '{"model": "llama-tiny", "devices": 2, "profile": "h100-sxm-80g", "time_limit_s": 60}'):
+        assert PlanRequest.model_validate_json(explicit).with_defaults(60.0).key() == implicit.key()
+    assert PlanRequest(model="llama-tiny", devices=4, profile=PROFILE).with_defaults(60.0).key() != implicit.key()
+    assert (PlanRequest(model="llama-tiny", devices=2, profile=PROFILE, time_limit_s=30).with_defaults(60.0).key()
+            != implicit.key())
 
 
 def test_a_changed_planner_does_not_serve_the_old_plans(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,7 +139,17 @@ def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
      "model.hf_config: keys ['auto_map']"),
     ({**TINY, "devices": 0}, 422, "devices: Input should be greater than or equal to 1"),
     ({**TINY, "profile": "nope"}, 422, "profile: 'nope' is not a shipped profile"),
-    ({**TINY, "profile": {"name": "half-a-profile"}}, 422, "device_type"),
+    ({**TINY, "profile": {"name": "half-a-profile"}}, 422, "profile.device_type: Field required"),
+    ({**TINY, "profile": _inline_profile("mine", all_reduce=-1)}, 422,
+     "profile.levels.0.busbw.all_reduce: Input should be greater than 0"),
+    ({**TINY, "profile": _inline_profile(bf16=1e300)}, 422, f"profile.name: {PROFILE!r} is a shipped profile's name"),
+    ({**TINY, "devices": True}, 422, "devices: Input should be a valid integer"),
+    ({**TINY, "batch_size": 4.0}, 422, "batch_size: Input should be a valid integer"),
+    ({**TINY, "mesh": {"dp": True}}, 422, "mesh.dp: Input should be a valid integer"),
+    ({**TINY, "time_limit_s": float("nan")}, 422, "time_limit_s: Input should be a finite number"),
+    # A config error found while filling in the defaults, and one found by a worker.
+    ({"model": {"hf_config": {}}, "devices": 2, "profile": PROFILE}, 422, "model.hf_config.model_type: None"),
+    ({**TINY, "model": {"hf_config": {}}}, 422, "model.hf_config.model_type: None"),
     ({**TINY, "mesh": {"dp": 3}}, 422, "mesh"),
     ({**TINY, "mesh": {"DP": 2}}, 422, "mesh.DP"),
     ({**TINY, "time_limit_s": MAX_TIME_LIMIT_S + 1}, 422, "time_limit_s"),
@@ -130,12 +157,33 @@ def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
     ({key: v for key, v in TINY.items() if key != "devices"}, 422, "devices: Field required"),
     ({"model": "llama3-70b", "devices": 1, "profile": PROFILE, "batch_size": 1, "seq_len": 128}, 422, "devices: no layout"),
     (b"{not json", 422, "body: invalid JSON"),
+    (b'{"model": "\xff"}', 400, "body: not valid UTF-8 JSON (byte 0xff at position 11)"),
 ])
 def test_bad_input_is_a_4xx_naming_the_field(server: ServerProcess, body: object, status: int,
                                              names: str) -> None:
     got, answer = server.post("/v1/plans", body)
     assert got == status, answer
     assert names in answer["detail"], answer["detail"]
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
+def test_a_body_not_sent_as_json_is_415(server: ServerProcess, content_type: str) -> None:
+    """curl -d sends a form by default; the answer says so instead of 'Input should be a
+    valid dictionary'."""
+    request = urllib.request.Request(server.url + "/v1/plans", data=b'{"model": "llama-tiny"}', method="POST")
+    request.add_header("Content-Type", content_type)
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(request, timeout=30)
+    assert error.value.code == 415
+    assert "application/json" in error.value.read().decode()
+
+
+def test_an_inline_copy_of_a_shipped_profile_is_that_profile(server: ServerProcess) -> None:
+    """Listed under the shipped name only when it is the shipped profile (see the 422 above)."""
+    status, body = server.post("/v1/plans", {**TINY, "batch_size": 2, "profile": _inline_profile()})
+    assert status in (200, 201), body
+    row = next(p for p in server.get("/v1/plans")["plans"] if p["id"] == body["id"])
+    assert row["profile"] == PROFILE
 
 
 def _raw_post(server: ServerProcess, head: str, body: bytes = b"") -> str:
@@ -158,6 +206,8 @@ def test_oversized_bodies_are_413(server: ServerProcess) -> None:
 def test_unknown_ids_and_profiles_are_404(server: ServerProcess) -> None:
     status, body = server.request("GET", "/v1/plans/" + "0" * 20)
     assert status == 404 and "plan_id" in body["detail"]
+    status, body = server.request("GET", "/v1/plans/nosuch")  # not of an id's form: still just not there
+    assert status == 404 and "nosuch" in body["detail"]
     status, body = server.request("GET", "/v1/profiles/nope")
     assert status == 404 and "nope" in body["detail"]
     assert PROFILE in server.get("/v1/profiles")["profiles"]
