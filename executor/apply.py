@@ -28,7 +28,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
@@ -53,7 +53,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from executor import deferred_init, local_regions, loss, outputs, pipeline, rng
 from executor.data import DataParallelBatch
-from planner.schema import Fingerprint, ModuleLayout, Plan, pattern_matches, shard_dim
+from planner.schema import Fingerprint, MeshRoles, ModuleLayout, Plan, pattern_matches, shard_dim
 
 # FSDP2 only replicates as part of HSDP (a replicate dim and a shard dim).  A plan with
 # a replicate dim but no fully_shard dim gets this extra size-1 shard dim, which
@@ -67,19 +67,11 @@ class PlanError(ValueError):
 
 
 @dataclass
-class _Layout:
-    """What the plan asks of each mesh dim, worked out once and checked."""
+class _Layout(MeshRoles):
+    """The plan's mesh roles, checked, and what apply works out from plan and model."""
 
-    replicate: str | None = None  # data-parallel dim in replicate mode
-    shard: str | None = None  # data-parallel dim in fully_shard mode
-    model: tuple[str, ...] = ()  # every other dim: tensor/sequence parallel
-    pipeline: str | None = None  # the pipeline dim: stages over it, nothing sharded on it
     cuts: pipeline.Cuts | None = None  # the checked stage cut of a pipeline plan
     placements: dict[str, list[str]] = field(default_factory=dict)  # fqn -> plan placements
-
-    @property
-    def data(self) -> tuple[str, ...]:
-        return tuple(d for d in (self.replicate, self.shard) if d)
 
 
 def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn.Module:
@@ -139,18 +131,19 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
         problems.append(f"devices: the plan is for {plan.devices} devices, {where} has {world}")
     if plan.devices > 1 and plan.mesh.device_type == "cuda" and not torch.cuda.is_available():
         problems.append("mesh.device_type: the plan is for cuda, but CUDA is not available here")
-    layout = _mesh_roles(plan, problems)
+    roles, found = plan.mesh_roles()
+    problems += found
+    layout = _Layout(**asdict(roles))
     if mesh is not None:
         problems += _mesh_problems(plan, mesh, layout)
     problems += _unmatched_patterns(plan, model)
-    names = plan.mesh.names
     for fqn, p in named:
         pl = plan.placement_for(fqn)
         if pl is None:
             problems.append(f"{fqn}: no placement in the plan")
             continue
         layout.placements[fqn] = pl
-        problems += _placement_problems(fqn, tuple(p.shape), pl, names, plan.mesh.shape, layout)
+        problems += plan.placement_problems(fqn, tuple(p.shape), pl, layout)
     if plan.pipeline is not None:  # its dry run needs a model that fits the plan
         layout.cuts, found = pipeline.check(plan, model, dry_run=not problems)
         problems += found
@@ -177,28 +170,6 @@ def _mesh_problems(plan: Plan, mesh: DeviceMesh, layout: _Layout) -> list[str]:
     return out
 
 
-def _mesh_roles(plan: Plan, problems: list[str]) -> _Layout:
-    layout = _Layout()
-    names = plan.mesh.names
-    size = dict(zip(names, plan.mesh.shape, strict=True))
-    for d in plan.data_parallel:
-        if size.get(d.dim) == 1:  # nothing to split or reduce: no FSDP2 wrapping, no hooks
-            continue
-        role = "replicate" if d.mode == "replicate" else "shard"
-        if getattr(layout, role) is not None:
-            problems.append(f"data_parallel: more than one {d.mode} dim ({getattr(layout, role)}, {d.dim})")
-        setattr(layout, role, d.dim)
-    layout.pipeline = plan.pipeline.dim if plan.pipeline is not None else None
-    idle = {d.dim for d in plan.data_parallel if size.get(d.dim) == 1}
-    layout.model = tuple(n for n in names if n not in layout.data and n not in idle and n != layout.pipeline)
-    order = [names.index(d) for d in layout.data]
-    if order != sorted(order) or (layout.model and order and max(order) > names.index(layout.model[0])):
-        problems.append(
-            f"mesh.dims: data-parallel dims must come first, replicate before fully_shard, got {list(names)}"
-        )
-    return layout
-
-
 def _unmatched_patterns(plan: Plan, model: nn.Module) -> list[str]:
     fqns = [n for n, _ in model.named_parameters()]
     modules = [n for n, _ in model.named_modules()]
@@ -206,30 +177,6 @@ def _unmatched_patterns(plan: Plan, model: nn.Module) -> list[str]:
            if not any(pattern_matches(p.fqn, f) for f in fqns)]
     out += [f"modules: {m.module} matches no module of the model" for m in plan.modules
             if not any(pattern_matches(m.module, n) for n in modules)]
-    return out
-
-
-def _placement_problems(fqn: str, shape: tuple[int, ...], pl: list[str], names: tuple[str, ...],
-                        sizes: tuple[int, ...], layout: _Layout) -> list[str]:
-    out = []
-    split = [1] * len(shape)  # how many pieces each tensor dim is cut into on the model mesh
-    for name, size, p in zip(names, sizes, pl, strict=True):
-        d = shard_dim(p)
-        if d is not None and d >= len(shape):
-            out.append(f"{fqn}: {p} on mesh dim {name!r}, but the parameter has {len(shape)} dims")
-            continue
-        if name == layout.replicate and p != "R":
-            out.append(f"{fqn}: {p} on replicate data-parallel dim {name!r}; only R is possible there")
-        elif name == layout.shard and d is None:
-            out.append(f"{fqn}: {p} on fully_shard dim {name!r}; FSDP shards every parameter, write S(d)")
-        elif name == layout.pipeline and p != "R":
-            out.append(f"{fqn}: {p} on pipeline dim {name!r}; a stage holds whole parameters, write R")
-        elif name in layout.model and d is not None:
-            split[d] *= size
-    for d, pieces in enumerate(split):
-        if shape[d] % pieces:
-            out.append(f"{fqn}: dim {d} of size {shape[d]} does not split evenly into {pieces} "
-                       "tensor-parallel shards (uneven shards are only supported on fully_shard dims)")
     return out
 
 

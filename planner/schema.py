@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -215,6 +216,21 @@ class Fingerprint(_Strict):
         return out
 
 
+@dataclass
+class MeshRoles:
+    """What a plan asks of each mesh dim: data-parallel (replicate or fully_shard), pipeline,
+    or model (tensor / sequence parallel: every other dim of size > 1 and every data dim)."""
+
+    replicate: str | None = None  # data-parallel dim in replicate mode
+    shard: str | None = None  # data-parallel dim in fully_shard mode
+    model: tuple[str, ...] = ()  # every other dim: tensor/sequence parallel
+    pipeline: str | None = None  # the pipeline dim: stages over it, nothing sharded on it
+
+    @property
+    def data(self) -> tuple[str, ...]:
+        return tuple(d for d in (self.replicate, self.shard) if d)
+
+
 class Plan(_Strict):
     schema_version: Literal["1.0"] = SCHEMA_VERSION
     model: str = Field(description="preset name, config path or model class")
@@ -277,6 +293,67 @@ class Plan(_Strict):
 
     def dp_mode(self, dim: str) -> DataParallelMode | None:
         return next((d.mode for d in self.data_parallel if d.dim == dim), None)
+
+    # -- checks the schema alone cannot make -------------------------------------------
+    # They need the parameters' shapes (a model's, or the plan's own fingerprint), so
+    # they are methods rather than validators: executor.apply runs them against the
+    # model, ``meshplan show`` against the fingerprint, neither importing the other.
+    def mesh_roles(self) -> tuple[MeshRoles, list[str]]:
+        """Each mesh dim's role, and the problems with them (one line each)."""
+        roles, problems = MeshRoles(), []
+        names = self.mesh.names
+        size = dict(zip(names, self.mesh.shape, strict=True))
+        for d in self.data_parallel:
+            if size[d.dim] == 1:  # nothing to split or reduce: no FSDP2 wrapping, no hooks
+                continue
+            role = "replicate" if d.mode == "replicate" else "shard"
+            if getattr(roles, role) is not None:
+                problems.append(f"data_parallel: more than one {d.mode} dim ({getattr(roles, role)}, {d.dim})")
+            setattr(roles, role, d.dim)
+        roles.pipeline = self.pipeline.dim if self.pipeline is not None else None
+        idle = {d.dim for d in self.data_parallel if size[d.dim] == 1}
+        roles.model = tuple(n for n in names if n not in roles.data and n not in idle and n != roles.pipeline)
+        order = [names.index(d) for d in roles.data]
+        if order != sorted(order) or (roles.model and order and max(order) > names.index(roles.model[0])):
+            problems.append(
+                f"mesh.dims: data-parallel dims must come first, replicate before fully_shard, got {list(names)}"
+            )
+        return roles, problems
+
+    def placement_problems(self, fqn: str, shape: tuple[int, ...], placements: list[str],
+                           roles: MeshRoles) -> list[str]:
+        """Why parameter ``fqn`` of ``shape`` cannot take ``placements`` on this mesh."""
+        out = []
+        split = [1] * len(shape)  # how many pieces each tensor dim is cut into on the model mesh
+        for name, size, p in zip(self.mesh.names, self.mesh.shape, placements, strict=True):
+            d = shard_dim(p)
+            if d is not None and d >= len(shape):
+                out.append(f"{fqn}: {p} on mesh dim {name!r}, but the parameter has {len(shape)} dims")
+                continue
+            if name == roles.replicate and p != "R":
+                out.append(f"{fqn}: {p} on replicate data-parallel dim {name!r}; only R is possible there")
+            elif name == roles.shard and d is None:
+                out.append(f"{fqn}: {p} on fully_shard dim {name!r}; FSDP shards every parameter, write S(d)")
+            elif name == roles.pipeline and p != "R":
+                out.append(f"{fqn}: {p} on pipeline dim {name!r}; a stage holds whole parameters, write R")
+            elif name in roles.model and d is not None:
+                split[d] *= size
+        for d, pieces in enumerate(split):
+            if shape[d] % pieces:
+                out.append(f"{fqn}: dim {d} of size {shape[d]} does not split evenly into {pieces} "
+                           "tensor-parallel shards (uneven shards are only supported on fully_shard dims)")
+        return out
+
+    def fingerprint_problems(self) -> list[str]:
+        """The mesh roles' problems, and each placement written for a full FQN checked
+        against that parameter's shape in the plan's own fingerprint (``S(9)`` of a matrix):
+        what the schema lets through and ``apply`` would refuse, without the model."""
+        roles, problems = self.mesh_roles()
+        for p in self.parameters:
+            shape = self.fingerprint.params.get(p.fqn)
+            if shape is not None:
+                problems += self.placement_problems(p.fqn, tuple(shape), p.placements, roles)
+        return problems
 
 
 def plan_json_schema() -> dict:

@@ -143,11 +143,6 @@ def _check_output(args: argparse.Namespace) -> None:
         raise UserError(f"-o: cannot write {path}: permission denied")
 
 
-def _check_estimate(args: argparse.Namespace) -> None:
-    if args.virtual_stages > 1 and args.pp == 1:
-        raise UserError(f"--virtual-stages: {args.virtual_stages} stages per rank need a pipeline (--pp > 1)")
-
-
 def cmd_plan(args: argparse.Namespace) -> None:
     plan_fn = _require("planner", "plan")
     batch, seq = _workload(args)
@@ -211,27 +206,12 @@ def cmd_show(args: argparse.Namespace) -> None:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "plan"
         raise UserError(f"{args.plan}: {where}: {first['msg']} ({e.error_count()} problem(s))") from None
-    problems = _placement_problems(plan)
+    # What the schema lets through and apply would refuse (S(9) of a matrix), which the
+    # view would index out of range; the plan's fingerprint has the shapes.
+    problems = plan.fingerprint_problems()
     if problems:
         raise UserError(f"{args.plan}: {problems[0]} ({len(problems)} problem(s))")
     print(render_plan(plan))
-
-
-def _placement_problems(plan: Any) -> list[str]:
-    """The placements that the plan's own fingerprint shapes cannot take (``S(9)`` of a
-    matrix), which the schema alone lets through and the view would index out of range.
-    They are executor.apply's checks, reused so that ``show`` refuses what ``apply`` would
-    (it imports torch: a second or two)."""
-    from executor.apply import _mesh_roles
-    from executor.apply import _placement_problems as check
-
-    problems: list[str] = []
-    layout = _mesh_roles(plan, problems)
-    for p in plan.parameters:
-        shape = plan.fingerprint.params.get(p.fqn)
-        if shape is not None:
-            problems += check(p.fqn, tuple(shape), p.placements, plan.mesh.names, plan.mesh.shape, layout)
-    return problems
 
 
 def cmd_profiles(_args: argparse.Namespace) -> None:
@@ -329,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--virtual-stages", type=_positive, default=1,
                    help="pipeline stages per rank, with --schedule interleaved-1f1b (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_estimate, check=_check_estimate)
+    p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("show", help="terminal view of a plan.json")
     p.add_argument("plan", help="path to a plan JSON")

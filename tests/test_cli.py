@@ -147,7 +147,7 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["plan", *TINY, "--profile", "{badprofile}"],
      "badprofile.json: levels.0.busbw.all_reduce: Input should be greater than 0 (1 problem(s))"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"],
-     "--virtual-stages: 2 stages per rank need a pipeline (--pp > 1)"),
+     "virtual_stages: 2 needs a pipeline (pp > 1)"),
     (["serve", "--port", "0", "--db", "{dir}"], "--db: "),
     (["serve", "--port", "0", "--db", "{notadb}"], "cannot be used as an SQLite plan store"),
 ])
@@ -220,6 +220,20 @@ def test_show_refuses_placements_the_shapes_cannot_take(plan_file: Path, tmp_pat
     assert not captured.out
 
 
+
+
+def test_show_does_not_import_torch(plan_file: Path, tmp_path: Path) -> None:
+    """``show`` reads JSON: it must start in a blink, so its checks (a plan with S(9), which
+    ``apply`` refuses too) run without torch."""
+    data = json.loads(plan_file.read_text())
+    data["parameters"][0]["placements"] = ["S(9)"] + data["parameters"][0]["placements"][1:]
+    bad = tmp_path / "s9.json"
+    bad.write_text(json.dumps(data))
+    code = ("import sys; from service.cli import main; "
+            f"codes = [main(['show', {str(plan_file)!r}]), main(['show', {str(bad)!r}])]; "
+            "print(codes, 'torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.splitlines()[-1] == "[0, 2] False", run.stdout[-500:] + run.stderr[-2000:]
 def test_help_reads_well() -> None:
     parser = build_parser()
     assert "``" not in parser.format_help()

@@ -80,6 +80,44 @@ def test_fingerprint_mismatches_name_the_parameter():
     assert a.digest != b.digest
 
 
+@pytest.mark.parametrize(("mesh", "modes", "edits", "expected"), [
+    ([("tp", 2), ("dp", 2)], {"dp": "fully_shard"}, {},
+     "mesh.dims: data-parallel dims must come first, replicate before fully_shard, got ['tp', 'dp']"),
+    ([("dp", 2), ("tp", 2)], {"dp": "fully_shard"}, {"lm_head.weight": ["R", "S(0)"]},
+     "lm_head.weight: R on fully_shard dim 'dp'; FSDP shards every parameter, write S(d)"),
+    ([("dp", 2), ("tp", 2)], {"dp": "replicate"}, {"lm_head.weight": ["S(0)", "S(0)"]},
+     "lm_head.weight: S(0) on replicate data-parallel dim 'dp'; only R is possible there"),
+    ([("dp", 2), ("tp", 2)], {"dp": "replicate"}, {"model.norm.weight": ["R", "S(1)"]},
+     "model.norm.weight: S(1) on mesh dim 'tp', but the parameter has 1 dims"),
+    ([("dp", 2), ("tp", 4)], {"dp": "replicate"}, {"model.layers.*.self_attn.k_proj.weight": ["R", "S(0)"],
+                                                     "lm_head.weight": ["R", "S(1)"]},
+     None),
+    ([("dp", 2), ("tp", 2), ("x", 2)], {"dp": "replicate", "x": "replicate"}, {},
+     "data_parallel: more than one replicate dim (dp, x)"),
+])
+def test_fingerprint_problems_are_apply_checks_without_a_model(mesh, modes, edits, expected):
+    """What ``meshplan show`` and ``executor.apply`` refuse, from the plan alone."""
+    data = json.loads(planner.plan("llama-tiny", 2, "h100-sxm-80g", batch_size=4, seq_len=32,
+                                   mesh={"dp": 2, "tp": 1}).to_json())
+    data["mesh"]["dims"] = [{"name": n, "size": s} for n, s in mesh]
+    data["devices"] = math.prod(s for _, s in mesh)
+    data["data_parallel"] = [{"dim": d, "mode": m} for d, m in modes.items()]
+    for p in data["parameters"]:
+        p["placements"] = edits.get(p["fqn"], ["S(0)" if m == "fully_shard" else "R" for m in
+                                               (modes.get(n) for n, _ in mesh)])
+    data["modules"] = []
+    plan = Plan.model_validate(data)
+    problems = plan.fingerprint_problems()
+    if expected is None:  # k_proj [16, 32] splits into 4, lm_head's 32 columns too
+        assert problems == []
+    else:
+        assert expected in problems, problems
+    tp4_odd = plan.placement_problems("w", (6, 8), ["R", "S(0)"] + ["R"] * (len(mesh) - 2),
+                                      plan.mesh_roles()[0])
+    assert (tp4_odd == ["w: dim 0 of size 6 does not split evenly into 4 tensor-parallel shards (uneven "
+                        "shards are only supported on fully_shard dims)"]) == (mesh[1] == ("tp", 4))
+
+
 def test_small_model_on_one_dim_is_pure_data_parallel():
     # Across 8 nodes FSDP's extra gathers cross InfiniBand and cost more than they
     # save.  (Inside one NVLink node the cost model prefers FSDP even for GPT-2:
