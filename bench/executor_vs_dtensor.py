@@ -23,7 +23,9 @@ faster only by doing less.
 Part 2 measures eager overhead: CPU time per step of (a) and (b) in ONE process with
 torch's fake process group at world size 4 (collectives cost nothing), next to the plain
 local model with this rank's shard shapes, steps interleaved so background load hits all
-alike.
+alike.  A fourth row wraps that local model in FSDP2 on the dp dim, as (a) and (b) wrap
+theirs: torch's FSDP2 alone, which both setups pay, so that the share tensor parallelism
+adds is visible beside it.
 
     python -m bench.executor_vs_dtensor [--steps 12] [--warmup 3] [--part 1|2]
                                         [--eager-rng] [--hidden 256]
@@ -158,13 +160,20 @@ class Trainer:
 def make_trainer(name: str, plan_json: str | None = None, local: dict[str, Any] | None = None,
                  our_rng: bool = True) -> Trainer:
     """``titan`` / ``forced`` / ``planned`` under the current process group, or ``local``:
-    the plain model built from ``local`` (a config with this rank's shard shapes).  TorchTitan
-    draws dropout from torch's RNG; the executor's setups from executor.rng."""
+    the plain model built from ``local`` (a config with this rank's shard shapes), or
+    ``local+fsdp``: that model under FSDP2 on the dp dim as TorchTitan wraps it (FSDP2's own
+    share of (a)'s and (b)'s overhead).  TorchTitan draws dropout from torch's RNG; the
+    executor's setups from executor.rng."""
     executor.rng.manual_seed(SEED)
     state = executor.rng.get_state() if our_rng and name != "titan" else None
-    if name == "local":
+    if name in ("local", "local+fsdp"):
         model = build_model(load_config(local), device="cpu").train()
         position_ids = None
+        if name == "local+fsdp":
+            dp_mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))["dp"]
+            for i, block in enumerate(model.model.layers):  # as titan_parallelize and executor.apply
+                fully_shard(block, mesh=dp_mesh, reshard_after_forward=i < len(model.model.layers) - 1)
+            fully_shard(model, mesh=dp_mesh)
     elif name == "titan":
         executor.rng.deactivate()
         model = build_model(load_config(CONFIG), device="cpu").train()
@@ -176,7 +185,7 @@ def make_trainer(name: str, plan_json: str | None = None, local: dict[str, Any] 
         model = executor.apply(Plan.from_json(plan_json), model)
         position_ids = None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    dp_slice = name in ("titan", "local")  # the loop slices the batch itself; executor does
+    dp_slice = name in ("titan", "local", "local+fsdp")  # the loop slices the batch itself; executor does
     rank = dist.get_rank() if dist.is_initialized() else 0
     vocab = model.config.vocab_size
 
@@ -301,9 +310,10 @@ def part2(args: argparse.Namespace) -> None:
     dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
     trainers = [make_trainer("local", local=local_config(), our_rng=False),
                 make_trainer("local", local=local_config()),
+                make_trainer("local+fsdp", local=local_config()),
                 make_trainer("titan"),
                 make_trainer("forced", forced_plan().to_json())]
-    labels = ["local, torch RNG", "local, executor.rng", "(a) titan", "(b) forced"]
+    labels = ["local, torch RNG", "local, executor.rng", "local + FSDP2 on dp", "(a) titan", "(b) forced"]
     cpu: list[list[float]] = [[] for _ in trainers]
     for i, ids in enumerate(batches(args.warmup + args.steps)):
         for t, samples in zip(trainers, cpu, strict=True):
