@@ -22,6 +22,7 @@ How the plan is realised (see docs/executor.md for the user-facing rules):
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import weakref
@@ -77,8 +78,9 @@ class _Layout(MeshRoles):
 def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it, ready for an unchanged loop.
 
-    Runs under any initialised process group (torchrun, or ``init_process_group``) whose
-    world size is ``plan.devices``; with no process group a 1-device plan returns the
+    Runs under any initialised process group (``init_process_group``) whose world size
+    is ``plan.devices``, or under ``torchrun`` (or another env:// launcher), whose group
+    it initialises when the script has not; with no process group a 1-device plan returns the
     model as the single-device reference.  ``mesh``: run on this device mesh instead of
     one built over the whole world (a job that already has one, or a subgroup: a mesh
     over torch's fake process group dry-runs the plan without communicating); its dim
@@ -90,6 +92,11 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
                         "(planner.Plan.from_json reads a saved plan)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if mesh is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Launched by torchrun (or any launcher that sets the env:// variables) and not
+        # initialised yet: the training loop stays free of distributed set-up.  torch's
+        # default backends: gloo for CPU tensors, NCCL for CUDA ones where CUDA exists.
+        dist.init_process_group()
     world = mesh.size() if mesh is not None else dist.get_world_size() if dist.is_initialized() else 1
     layout = _check(plan, model, world, mesh)
     on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
@@ -491,14 +498,28 @@ def _redistributed(t: DTensor, target: list[Placement]) -> DTensor:
 
 def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tensor_parallel: bool) -> None:
     """Root: slice the global batch, then (after forward) hand back plain global tensors,
-    each when the loop first reads it (executor.outputs).
+    each when the loop first reads it (executor.outputs).  Under tensor parallelism a
+    Hugging Face model is called with ``use_cache=False``.
 
     With tensor parallelism the forward runs under ``implicit_replication``: tensors the
     model creates inside its forward (masks, biases from ``torch.arange``) are the same
     on every rank, so treating them as Replicate is exact."""
     replication = ExitStack()
+    # A Hugging Face model builds a key/value cache on every call unless told not to, in
+    # training and validation too, where nothing reads it.  Under tensor parallelism its
+    # layers cannot hold one: they start from a plain empty tensor that DTensor cannot
+    # join to sharded keys (an IndexError deep in torch), and a cache (which every layer
+    # appends to) would keep the layers off local shards (executor.local_regions).
+    params = list(inspect.signature(model.forward).parameters)
+    cache_at = params.index("use_cache") if tensor_parallel and "use_cache" in params else None
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if cache_at is not None and len(args) <= cache_at:
+            if kwargs.get("use_cache"):
+                raise ValueError("use_cache=True: a key/value cache is not supported under a tensor-"
+                                 "parallel plan (Hugging Face's cache cannot hold DTensors); pass "
+                                 "use_cache=False or leave it unset")
+            kwargs = {**kwargs, "use_cache": False}
         if batch is not None:
             args, kwargs = batch.slice(args, kwargs)
         if tensor_parallel:

@@ -59,6 +59,11 @@ from executor import rng
 
 _LOG = logging.getLogger(__name__)
 MAX_SHAPES = 4  # input-shape signatures learned per region; others run through DTensor
+# What a region's call may carry besides tensors for it to learn and replay: values no run
+# can change (a cache object, which the body appends to, keeps the region on DTensor).
+_VALUES = (torch.Tensor, type(None), bool, int, float, complex, str, torch.dtype, torch.device,
+           torch.memory_format)
+_STATEFUL_LOGGED: set[str] = set()
 
 
 class _Mismatch(Exception):
@@ -286,7 +291,17 @@ class Region:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _STATE.mode is not None:  # inside another region's recording or replay
             return self.forward(*args, **kwargs)
-        key = _signature((args, kwargs))
+        leaves, spec = tree_flatten((args, kwargs))
+        if stateful := next((t for t in leaves if not isinstance(t, _VALUES)), None):
+            # An object the body may change (a key/value cache it appends to): the check's
+            # extra runs would change it too, and a replay could not restore it.
+            if self.fqn not in _STATEFUL_LOGGED:
+                _STATEFUL_LOGGED.add(self.fqn)
+                _LOG.info("executor: %s stays on DTensor while its call carries a %s "
+                          "(use_cache=False keeps it local)", self.fqn, type(stateful).__name__)
+            return self.forward(*args, **kwargs)
+        key = (str(spec), *((type(t).__name__, tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t)
+                            for t in leaves))
         if key not in self.tapes:
             if not torch.is_grad_enabled() or len(self.tapes) >= MAX_SHAPES or _hooked_globally():
                 return self.forward(*args, **kwargs)
@@ -401,12 +416,6 @@ def _hooked_globally() -> bool:
     return any(getattr(module, name, None) for name in (
         "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
         "_global_backward_hooks"))
-
-
-def _signature(tree: Any) -> tuple:
-    leaves, spec = tree_flatten(tree)
-    return (str(spec), *((type(t).__name__, tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t)
-                         for t in leaves))
 
 
 @contextmanager

@@ -447,6 +447,68 @@ def test_a_layer_runs_on_local_shards_only_where_its_gradients_cross_boundaries(
     assert locally == ([f"model.layers.{i}" for i in layers] if sp else blocks)
 
 
+def test_a_loop_that_leaves_use_cache_alone_trains_on_local_shards() -> None:
+    """Hugging Face models build a key/value cache on every call unless told not to, and
+    each layer appends to it: a region's check appended its extra runs' keys too, and the
+    real backward then ran into the check's freed graph (the README's loop, which passes
+    no use_cache, crashed on tensor-parallel plans).  Under tensor parallelism the model
+    is now called without a cache: training runs on local shards, a validation pass in
+    eval mode works (the cache's empty start tensor cannot join DTensor keys: an
+    IndexError), and asking for a cache is refused by name."""
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    layers = range(PRESETS["llama-tiny"]["num_hidden_layers"])
+    with tp2_on_fake_group(sp=True) as model:
+        for _ in range(2):
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+        assert out.past_key_values is None
+        assert executor.local_regions.running_locally(model) == [f"model.layers.{i}" for i in layers]
+        model.eval()
+        with torch.no_grad():
+            assert model(input_ids=ids, labels=ids).loss.shape == ()
+        with pytest.raises(ValueError, match=r"^use_cache=True: a key/value cache is not supported"):
+            model(input_ids=ids, use_cache=True)
+
+
+class _Tally:
+    """A mutable argument: counts the calls it rides along with."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+class _TallyMLP(MLP):
+    def forward(self, x: torch.Tensor, tally: _Tally) -> torch.Tensor:  # type: ignore[override]
+        tally.calls += 1
+        return super().forward(x)
+
+
+class _CallsTallyMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.tally = _TallyMLP(0.0), _Tally()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x, self.tally)
+
+
+def test_a_region_called_with_a_mutable_object_stays_on_dtensor() -> None:
+    """The check runs a region's body twice more on its first call; an object the body
+    changes (here a counter; in Hugging Face models a cache) would see those runs."""
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        executor.rng.manual_seed(SEED)
+        model = _CallsTallyMLP()
+        model = executor.apply(make_plan(model, {"tp": 2}), model)
+        for _ in range(2):
+            model(torch.randn(BATCH, 16)).sum().backward()
+        assert model.tally.calls == 2
+        assert executor.local_regions.running_locally(model) == []
+    finally:
+        torch.distributed.destroy_process_group()
+        executor.rng.deactivate()
+
+
 @pytest.mark.parametrize("lifted", [True, False], ids=["as-planned", "per-projection"])
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_the_planners_sequence_parallel_plan_issues_the_collectives_it_prices(checkpointing: str,
