@@ -112,7 +112,8 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
             _reduce_pending_grads(model)
         if layout.cuts is None:  # a pipeline hooks each stage instead (_prepare_stage)
             _register_activation_hooks(model, model_mesh, plan, layout.model)
-    batch = (DataParallelBatch(mesh, layout.data, layout.model if model_mesh is not None else ())
+    batch = (DataParallelBatch(mesh, layout.data, layout.model if model_mesh is not None else (),
+                               counts_tokens=layout.cuts is None and _counts_tokens(model))
              if _size(mesh, layout.data) > 1 else None)
     if layout.cuts is not None:
         return pipeline.pipelined(model, plan, layout.cuts, mesh, batch,
@@ -494,6 +495,14 @@ def _redistributed(t: DTensor, target: list[Placement]) -> DTensor:
     special = any(p.is_partial() and type(p) is not Partial for p in t.placements)
     out = t.redistribute(t.device_mesh, target)
     return _GradNotPartial.apply(out) if special else out
+
+
+def _counts_tokens(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face causal LM whose forward hands
+    ``num_items_in_batch`` to its loss (executor.data)."""
+    takes = any(p.kind is inspect.Parameter.VAR_KEYWORD or p.name == "num_items_in_batch"
+                for p in inspect.signature(model.forward).parameters.values())
+    return takes and getattr(model, "loss_type", None) == "ForCausalLM"
 
 
 def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tensor_parallel: bool) -> None:

@@ -19,8 +19,11 @@ executor.rng hands dropout (and attention dropout) here (``rng.redirected``), an
 draw on a DTensor view of the rank's slice, ``Shard(0)`` over the data-parallel dims, so executor.rng draws exactly the
 global batch's mask for this slice, without communication.
 
-The loss equals the single-device loss when every rank's slice holds the same number
-of counted tokens (no padding / ``ignore_index`` imbalance), as a mean of means must.
+A Hugging Face causal LM's loss is made exact even where the slices count different
+numbers of tokens (padding, ``ignore_index``): each rank's loss divides its summed token
+losses by the global count over the data-parallel size (``num_items_in_batch``), so the
+mean over ranks is the global mean.  Other losses are a mean of per-rank means, equal
+to the single-device loss when every slice counts the same.
 The gather runs when the loop first reads a batch-shaped output (executor.outputs): a
 loop that trains from ``labels=`` and reads only the loss never gathers the logits.
 """
@@ -47,7 +50,11 @@ class BatchError(ValueError):
 class DataParallelBatch:
     """Slices inputs and globalises outputs over the data-parallel dims of a mesh."""
 
-    def __init__(self, mesh: DeviceMesh, dims: tuple[str, ...], model_dims: tuple[str, ...]) -> None:
+    def __init__(self, mesh: DeviceMesh, dims: tuple[str, ...], model_dims: tuple[str, ...],
+                 counts_tokens: bool = False) -> None:
+        # counts_tokens: the model is a Hugging Face causal LM whose loss takes
+        # ``num_items_in_batch`` (see ``_items_per_rank``)
+        self.counts_tokens = counts_tokens
         # Gathers run innermost dim first so that the result is in row-major rank
         # order, the order in which ``slice`` hands out the pieces.
         self.groups = [mesh.get_group(d) for d in reversed(dims)]
@@ -71,11 +78,31 @@ class DataParallelBatch:
             )
         n = batch // self.size
         self._local_batch = n
+        if self.counts_tokens:
+            kwargs = self._items_per_rank(kwargs)
 
         def take(t: torch.Tensor) -> torch.Tensor:
             return t.narrow(0, self.index * n, n) if t.dim() > 0 and t.shape[0] == batch else t
 
         return tree_map_only(torch.Tensor, take, (args, kwargs))
+
+    def _items_per_rank(self, kwargs: dict) -> dict:
+        """``num_items_in_batch`` for a Hugging Face causal LM's loss, so that the mean of
+        the ranks' losses is the global batch's: each rank's loss is its summed token
+        losses over this number, the global count of counted tokens (the loop's own
+        ``num_items_in_batch`` if it passes one) over the data-parallel size.  Without
+        it each rank divides by its own count, and the mean of those means is the
+        global mean only when every slice counts as many tokens (padding or
+        ``ignore_index`` spread unevenly over the slices makes them differ)."""
+        labels = kwargs.get("shift_labels")
+        if labels is None and isinstance(kwargs.get("labels"), torch.Tensor):
+            labels = kwargs["labels"][..., 1:]  # ForCausalLMLoss's shift: the last label predicts nothing
+        given = kwargs.get("num_items_in_batch")
+        if given is None and not isinstance(labels, torch.Tensor):
+            return kwargs
+        if given is None:
+            given = int((labels != kwargs.get("ignore_index", -100)).sum())
+        return {**kwargs, "num_items_in_batch": given / self.size}
 
     def randomness(self) -> AbstractContextManager:
         """Active around the forward (and any recomputation of it): slice-aware dropout."""

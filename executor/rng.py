@@ -850,9 +850,8 @@ def _attention(
         attn_mask = torch.ones(length, source, dtype=torch.bool, device=_local_device(query)).tril()
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            attn_mask = torch.zeros(
-                attn_mask.shape, dtype=scores.dtype, device=attn_mask.device
-            ).masked_fill(~attn_mask, float("-inf"))
+            # zeros_like: a DTensor mask (a padding mask split with the batch) stays one
+            attn_mask = torch.zeros_like(attn_mask, dtype=scores.dtype).masked_fill(~attn_mask, float("-inf"))
         scores = scores + _like_layout(attn_mask, scores)
     return drop(torch.softmax(scores, dim=-1)) @ value
 

@@ -76,18 +76,19 @@ class Case:
     checkpointing: str = "none"  # the plan's activation checkpointing
     logits_loss: bool = False  # the loop computes the loss from .logits, not labels=
     vocab_embedding: bool = False  # embed_tokens sharded by vocabulary row (TorchTitan's)
+    padded: bool = False  # right padding (attention_mask, labels -100), uneven over the ranks
 
     @property
     def name(self) -> str:
         mesh = "x".join(f"{k}{v}" for k, v in self.mesh.items())
         flags = [f for f, on in (("fsdp", self.fsdp), ("sp", self.sp), ("meta", self.meta),
                                  ("logits-loss", self.logits_loss),
-                                 ("vocab-embedding", self.vocab_embedding)) if on]
+                                 ("vocab-embedding", self.vocab_embedding), ("padded", self.padded)) if on]
         ac = [] if self.checkpointing == "none" else [f"ac-{self.checkpointing}"]
         return "-".join([self.model, mesh, *flags, *ac, f"drop{self.dropout}"])
 
     def reference(self) -> Case:
-        return Case(self.model, dropout=self.dropout, logits_loss=self.logits_loss)
+        return Case(self.model, dropout=self.dropout, logits_loss=self.logits_loss, padded=self.padded)
 
 
 def build(case: Case) -> nn.Module:
@@ -118,6 +119,9 @@ def batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def loss_of(model: nn.Module, case: Case, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if case.model.endswith("mlp"):
         return F.mse_loss(model(x), y)  # computed from the (global) output in the loop
+    if case.padded:  # row i padded by i tokens: the data-parallel slices count unequally
+        mask = (torch.arange(SEQ) < SEQ - torch.arange(BATCH)[:, None]).long()
+        return model(input_ids=x, attention_mask=mask, labels=y.masked_fill(mask == 0, -100)).loss
     if case.logits_loss:  # reads the logits, which the executor then gathers
         return F.cross_entropy(model(input_ids=x, use_cache=False).logits.flatten(0, 1), y.flatten())
     return model(input_ids=x, labels=y, use_cache=False).loss
@@ -192,6 +196,11 @@ CASES_4 = [
     Case("gpt2", {"dp": 2, "tp": 2}, dropout=0.1, logits_loss=True),
     Case("gpt2", {"dp": 4}, fsdp=True, dropout=0.1, checkpointing="full"),
     Case("mlp", {"dp": 2, "tp": 2}, fsdp=True, dropout=0.1),
+    # a padding mask with attention dropout (a DTensor mask under data parallelism), and a
+    # loss that is exact although the slices count different numbers of tokens; the loop
+    # leaves use_cache unset
+    Case("llama", {"dp": 4}, dropout=0.1, padded=True),
+    Case("llama", {"dp": 2, "tp": 2}, fsdp=True, sp=True, dropout=0.1, padded=True),
 ]
 CASES_2 = [
     Case("llama", {"tp": 2}, dropout=0.1),
@@ -280,7 +289,7 @@ def test_tensor_parallel_blocks_run_on_local_shards(world2: dict, world4: dict) 
         if name.startswith(("llama-tp2", "qwen2-tp2", "mistral-tp2", "llama-dp2xtp2")):
             assert result["local"] == (whole if "-sp-" in name else blocks), name
             checked += 1
-    assert checked == 5
+    assert checked == 6
     assert world2[Case("centered-mlp", {"tp": 2}, dropout=0.1).name]["local"] == []
 
 
