@@ -427,7 +427,7 @@ class _Runner:
 
         def loss_fn(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             value = loss_function(logits=out if logits is None else logits.whole(out), labels=labels,
-                                  vocab_size=vocab)
+                                  vocab_size=vocab, num_items_in_batch=self._items)
             return value.to_local() if isinstance(value, DTensor) else value  # replicated
 
         self.loss_fn = loss_fn
@@ -437,10 +437,17 @@ class _Runner:
         self._built: tuple[tuple[int, int], Any] | None = None
         self._base = 0  # the rng counter at the start of the step
         self._rows = (0, 1, 1)  # first row of micro-batch 0 in the global batch, rows per micro-batch, total
+        # num_items_in_batch of each micro-batch's loss: the global batch's counted tokens
+        # over micro-batches x data-parallel ranks, so that the mean of their losses (the
+        # schedule's gradient scaling, _step_loss) is the global mean token loss however
+        # unevenly -100 labels fall over them
+        self._items = 1.0
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
              **kwargs: Any) -> CausalLMOutputWithPast:
         self._refuse(input_ids, labels, kwargs)
+        counted = int((labels[..., 1:] != -100).sum())  # ForCausalLMLoss shifts the labels
+        self._items = counted / (self.microbatches * (self.batch.size if self.batch is not None else 1))
         if self.batch is not None:
             (), sliced = self.batch.slice((), {"input_ids": input_ids, "labels": labels})
             x, y, size, index = sliced["input_ids"], sliced["labels"], self.batch.size, self.batch.index

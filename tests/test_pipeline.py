@@ -42,6 +42,13 @@ def batches() -> list[torch.Tensor]:
         return [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
 
 
+def _ignoring_row_tails(ids: torch.Tensor) -> torch.Tensor:
+    """Labels whose row i ignores its last i tokens (-100): micro-batches and
+    data-parallel slices count different numbers of tokens, and the step's loss must
+    still be the global mean token loss."""
+    return ids.masked_fill(torch.arange(SEQ) >= SEQ - torch.arange(BATCH)[:, None], -100)
+
+
 def _full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for n, t in tensors.items()}
 
@@ -61,7 +68,7 @@ def train(plan_json: str, save_to: str | None = None, resume_from: str | None = 
     if resume_from:
         out["loaded"] = _full(dict(model.named_parameters()))
     for step in range(start, STEPS):
-        loss = model(input_ids=data[step], labels=data[step]).loss
+        loss = model(input_ids=data[step], labels=_ignoring_row_tails(data[step])).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
