@@ -139,6 +139,15 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
         problems.append(f"devices: the plan is for {plan.devices} devices, {where} has {world}")
     if plan.devices > 1 and plan.mesh.device_type == "cuda" and not torch.cuda.is_available():
         problems.append("mesh.device_type: the plan is for cuda, but CUDA is not available here")
+    if getattr(model, "is_gradient_checkpointing", False):
+        # HF wraps each layer in torch.utils.checkpoint, whose recomputation redraws dropout
+        # from executor.rng's advanced counter (other masks than the forward's) and which
+        # the executor's own recomputation (the plan's) would then nest inside
+        problems.append(
+            "model: Hugging Face gradient checkpointing is on (gradient_checkpointing_enable()); call "
+            "model.gradient_checkpointing_disable(): activation checkpointing is the plan's field "
+            f"activation_checkpointing ({plan.activation_checkpointing!r} here), which redraws the "
+            "forward's dropout masks")
     roles, found = plan.mesh_roles()
     problems += found
     layout = _Layout(**asdict(roles))

@@ -347,6 +347,16 @@ def test_unknown_fqn() -> None:
     assert "model.layers.*.mlp.nope.weight: matches no parameter of the model" in _refused(plan, model)
 
 
+def test_hugging_face_gradient_checkpointing_is_refused() -> None:
+    """Its recomputation redrew dropout from executor.rng's advanced counter: other masks
+    than the forward's, so gradients of another function (the 1-device run too), and
+    under tensor parallelism a crash."""
+    model = _llama()
+    model.gradient_checkpointing_enable()
+    assert ("model: Hugging Face gradient checkpointing is on (gradient_checkpointing_enable()); call "
+            "model.gradient_checkpointing_disable()") in _refused(make_plan(model, {"dp": 1}), model)
+
+
 def test_parameter_without_placement() -> None:
     model = _llama()
     plan = make_plan(model, {"dp": 1})
