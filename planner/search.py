@@ -714,7 +714,10 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
             mod = unit.module.rsplit(".", 1)[-1]
             want = "col" if _COLWISE.search(mod) else "row" if _ROWWISE.search(mod) else (
                 "col" if not unit.choices or not unit.choices[0].weights else "rep")
-            unit.choices = [c for c in unit.choices if c.name == want]
+            # a dimension tp does not divide (GPT-2's 50257-token vocabulary under the
+            # vocabulary-parallel embedding and head) leaves that module replicated
+            unit.choices = ([c for c in unit.choices if c.name == want]
+                            or [c for c in unit.choices if c.name == "rep"])
         else:
             if not any(c.name == "H" for c in unit.choices):  # norms, residual stream: SP or replicated
                 want = "Q" if sp and any(c.name == "Q" for c in unit.choices) else "R"

@@ -382,7 +382,9 @@ def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float) -> l
         outl = _combine(ctx, {i: v[1] for i, v in lay.items()}, "B")
         if not _divisible(ctx, outl, shape):
             continue
-        if op != "embedding" and d["in_shapes"] and not _divisible(ctx, inp, d["in_shapes"][0]):
+        # the activation input: addmm's (GPT-2's Conv1D) comes after the bias
+        act_in = 1 if op == "addmm" and len(d["in_shapes"]) > 2 else 0
+        if op != "embedding" and d["in_shapes"] and not _divisible(ctx, inp, d["in_shapes"][act_in]):
             continue
         weights: dict[str, tuple[str, ...]] = {}
         state = (0.0, 0.0, 0.0)

@@ -118,6 +118,20 @@ def test_fingerprint_problems_are_apply_checks_without_a_model(mesh, modes, edit
                         "shards are only supported on fully_shard dims)"]) == (mesh[1] == ("tp", 4))
 
 
+def test_gpt2_takes_torchtitans_tensor_parallel_layout():
+    """GPT-2's Conv1D output projections (addmm: bias, input, weight) had no row-parallel
+    choice (the divisibility check read the bias as the input), and its 50257-token
+    vocabulary cannot be split in two: ``estimate gpt2 --tp 2`` said "does not fit".
+    Now c_proj is row-parallel and the vocabulary-parallel modules stay replicated."""
+    plan = planner.hand_plan("gpt2", 8, "h100-sxm-80g", dp=4, tp=2, batch_size=32, seq_len=1024)
+    on_tp = {p.fqn: p.placements[plan.mesh.names.index("tp")] for p in plan.parameters}
+    assert on_tp["transformer.h.*.attn.c_attn.weight"] == "S(1)"  # Conv1D weight [in, out]: columns
+    assert on_tp["transformer.h.*.attn.c_proj.weight"] == "S(0)"  # rows
+    assert on_tp["transformer.h.*.mlp.c_proj.weight"] == "S(0)"
+    assert on_tp["transformer.wte.weight"] == "R"  # the head's weight too: tied to it
+    assert plan.prediction.memory.fits
+
+
 def test_small_model_on_one_dim_is_pure_data_parallel():
     # Across 8 nodes FSDP's extra gathers cross InfiniBand and cost more than they
     # save.  (Inside one NVLink node the cost model prefers FSDP even for GPT-2:
