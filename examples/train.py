@@ -43,7 +43,9 @@ def main() -> None:
     except planner.ConfigError as e:
         sys.exit(f"train.py: the plan's model {plan.model!r} is not a preset or config.json path "
                  f"this example can rebuild: {e}")
-    config.attention_dropout = args.dropout
+    for field in ("attention_dropout", "attn_pdrop"):  # Llama-family, GPT-2
+        if hasattr(config, field):
+            setattr(config, field, args.dropout)
 
     executor.rng.manual_seed(args.seed)  # before the model is built: its initial weights come from it
     model = executor.apply(plan, build_model(config, device="meta"))
