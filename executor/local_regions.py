@@ -63,7 +63,6 @@ MAX_SHAPES = 4  # input-shape signatures learned per region; others run through 
 # can change (a cache object, which the body appends to, keeps the region on DTensor).
 _VALUES = (torch.Tensor, type(None), bool, int, float, complex, str, torch.dtype, torch.device,
            torch.memory_format)
-_STATEFUL_LOGGED: set[str] = set()
 
 
 class _Mismatch(Exception):
@@ -286,17 +285,19 @@ class Region:
         self.fqn, self.module, self.mesh = fqn, module, mesh
         self.forward = module.forward
         self.tapes: dict[tuple, _Tape | None] = {}
+        self.told_stateful = False  # logged that a call's mutable argument keeps it on DTensor
         module.forward = self  # an instance attribute: module hooks still run around it
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _STATE.mode is not None:  # inside another region's recording or replay
             return self.forward(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
-        if stateful := next((t for t in leaves if not isinstance(t, _VALUES)), None):
+        stateful = next((t for t in leaves if not isinstance(t, _VALUES)), None)
+        if stateful is not None:  # (an empty cache is falsy)
             # An object the body may change (a key/value cache it appends to): the check's
             # extra runs would change it too, and a replay could not restore it.
-            if self.fqn not in _STATEFUL_LOGGED:
-                _STATEFUL_LOGGED.add(self.fqn)
+            if not self.told_stateful:
+                self.told_stateful = True
                 _LOG.info("executor: %s stays on DTensor while its call carries a %s "
                           "(use_cache=False keeps it local)", self.fqn, type(stateful).__name__)
             return self.forward(*args, **kwargs)

@@ -490,10 +490,14 @@ def test_a_loop_that_leaves_use_cache_alone_trains_on_local_shards() -> None:
 
 
 class _Tally:
-    """A mutable argument: counts the calls it rides along with."""
+    """A mutable argument: counts the calls it rides along with; falsy while empty, as
+    Hugging Face's empty cache is."""
 
     def __init__(self) -> None:
         self.calls = 0
+
+    def __len__(self) -> int:
+        return self.calls
 
 
 class _TallyMLP(MLP):
