@@ -124,7 +124,7 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
         _fully_shard(model, mesh, layout, plan.mesh.names)
     # After fully_shard: FSDP2's root post-forward hook must see the local outputs, since
     # reading a lazily globalised field would gather it (executor.outputs).
-    _register_root_hooks(model, batch, model_mesh is not None)
+    _register_root_hooks(model, batch, model_mesh is not None, plan.activation_checkpointing)
     return model
 
 
@@ -139,15 +139,17 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
         problems.append(f"devices: the plan is for {plan.devices} devices, {where} has {world}")
     if plan.devices > 1 and plan.mesh.device_type == "cuda" and not torch.cuda.is_available():
         problems.append("mesh.device_type: the plan is for cuda, but CUDA is not available here")
-    if getattr(model, "is_gradient_checkpointing", False):
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         # HF wraps each layer in torch.utils.checkpoint, whose recomputation redraws dropout
         # from executor.rng's advanced counter (other masks than the forward's) and which
-        # the executor's own recomputation (the plan's) would then nest inside
+        # the executor's own recomputation (the plan's) would then nest inside.  (Read off
+        # the layers' flag: the model-level property is deprecated in transformers 5.)
+        off = ("activation_checkpointing_disable" if hasattr(model, "activation_checkpointing_disable")
+               else "gradient_checkpointing_disable")
         problems.append(
-            "model: Hugging Face gradient checkpointing is on (gradient_checkpointing_enable()); call "
-            "model.gradient_checkpointing_disable(): activation checkpointing is the plan's field "
-            f"activation_checkpointing ({plan.activation_checkpointing!r} here), which redraws the "
-            "forward's dropout masks")
+            f"model: Hugging Face activation checkpointing is on; call model.{off}(): activation "
+            f"checkpointing is the plan's field activation_checkpointing ({plan.activation_checkpointing!r} "
+            "here), which redraws the forward's dropout masks")
     roles, found = plan.mesh_roles()
     problems += found
     layout = _Layout(**asdict(roles))
@@ -514,30 +516,35 @@ def _counts_tokens(model: nn.Module) -> bool:
     return takes and getattr(model, "loss_type", None) == "ForCausalLM"
 
 
-def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tensor_parallel: bool) -> None:
+def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tensor_parallel: bool,
+                         checkpointing: str) -> None:
     """Root: slice the global batch, then (after forward) hand back plain global tensors,
-    each when the loop first reads it (executor.outputs).  Under tensor parallelism a
-    Hugging Face model is called with ``use_cache=False``.
+    each when the loop first reads it (executor.outputs).  A Hugging Face model is called
+    with ``use_cache=False`` unless the loop asks for a cache.
 
     With tensor parallelism the forward runs under ``implicit_replication``: tensors the
     model creates inside its forward (masks, biases from ``torch.arange``) are the same
     on every rank, so treating them as Replicate is exact."""
     replication = ExitStack()
     # A Hugging Face model builds a key/value cache on every call unless told not to, in
-    # training and validation too, where nothing reads it.  Under tensor parallelism its
-    # layers cannot hold one: they start from a plain empty tensor that DTensor cannot
-    # join to sharded keys (an IndexError deep in torch), and a cache (which every layer
-    # appends to) would keep the layers off local shards (executor.local_regions).
+    # training and validation too, where nothing reads it; every layer appends to it.  A
+    # recomputed layer (the plan's checkpointing) would append again and run other ops
+    # than its forward (selective checkpointing then fails), and a layer checked for local
+    # shards likewise (executor.local_regions).  Under tensor parallelism the cache cannot
+    # even start: its plain empty tensor does not join DTensor keys (an IndexError).
     params = list(inspect.signature(model.forward).parameters)
-    cache_at = params.index("use_cache") if tensor_parallel and "use_cache" in params else None
+    cache_at = params.index("use_cache") if "use_cache" in params else None
+    no_cache = ("tensor-parallel plan (Hugging Face's cache cannot hold DTensors)" if tensor_parallel
+                else f"plan that recomputes layers (activation_checkpointing {checkpointing!r}: a "
+                "recomputed layer would append to the cache again)" if checkpointing != "none" else None)
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if cache_at is not None and len(args) <= cache_at:
-            if kwargs.get("use_cache"):
-                raise ValueError("use_cache=True: a key/value cache is not supported under a tensor-"
-                                 "parallel plan (Hugging Face's cache cannot hold DTensors); pass "
-                                 "use_cache=False or leave it unset")
-            kwargs = {**kwargs, "use_cache": False}
+            if kwargs.get("use_cache") is None:
+                kwargs = {**kwargs, "use_cache": False}
+            elif kwargs["use_cache"] and no_cache and (tensor_parallel or (mod.training and torch.is_grad_enabled())):
+                raise ValueError(f"use_cache=True: a key/value cache is not supported under a {no_cache}; "
+                                 "pass use_cache=False or leave it unset")
         if batch is not None:
             args, kwargs = batch.slice(args, kwargs)
         if tensor_parallel:
