@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 from torch import nn
 from torch.autograd import Variable
 from torch.distributed._composable import checkpoint  # keeps FQNs, unlike the wrapper
@@ -61,6 +62,9 @@ from planner.schema import Fingerprint, MeshRoles, ModuleLayout, Plan, pattern_m
 # changes no rank's position; it reuses FSDP2's bucketed, overlapped all-reduce
 # instead of torch DDP, which does not take DTensor (tensor-parallel) parameters.
 _UNIT_SHARD_DIM = "_fsdp_unit"
+
+
+_APPLIED = "_executor_applied"  # set on a model apply has changed: a second apply is refused
 
 
 class PlanError(ValueError):
@@ -92,6 +96,14 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
                         "(planner.Plan.from_json reads a saved plan)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh: expected a torch DeviceMesh (or None), got {type(mesh).__name__}")
+    try:  # a plan changed in Python since it was read (pydantic checks only on construction)
+        plan = Plan.model_validate(plan.model_dump())
+    except ValidationError as e:
+        raise PlanError("plan is invalid:\n  " + "\n  ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'plan'}: {err['msg'].removeprefix('Value error, ')}"
+            for err in e.errors(include_url=False))) from None
     if mesh is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Launched by torchrun (or any launcher that sets the env:// variables) and not
         # initialised yet: the training loop stays free of distributed set-up.  torch's
@@ -102,6 +114,7 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     if plan.devices == 1:
         return deferred_init.materialize(model) if on_meta else model
+    setattr(model, _APPLIED, True)
     mesh = mesh or _build_mesh(plan, layout)
     model_mesh = mesh[layout.model] if _size(mesh, layout.model) > 1 else None
     if on_meta:
@@ -132,6 +145,12 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
 
 def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) -> _Layout:
     problems: list[str] = []
+    if getattr(model, _APPLIED, False):
+        problems.append("model: executor.apply already ran on this model; build a fresh one (on the meta "
+                        "device) for another plan")
+    elif dtensors := [n for n, p in model.named_parameters() if isinstance(p, DTensor)]:
+        problems.append(f"{dtensors[0]}: already a DTensor ({len(dtensors)} parameters): the model was "
+                        "parallelised before; executor.apply takes the plain model")
     named = list(model.named_parameters())
     problems += plan.fingerprint.mismatches(Fingerprint.of((n, p.shape) for n, p in named))
     if mesh is None and world != plan.devices:

@@ -22,6 +22,7 @@ import functools
 import inspect
 import logging
 import math
+import numbers
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -435,8 +436,9 @@ def manual_seed(seed: int) -> None:
     stack (torch keeps that stack per thread); call this outside any ``with``
     block of another torch-function mode.
     """
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):  # numpy's ints too
         raise TypeError(f"executor.rng.manual_seed: seed must be an int, got {seed!r}")
+    seed = int(seed)
     with _LOCK:
         _STATE.seed = seed & _M64
         _STATE.counter = 0

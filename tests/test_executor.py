@@ -394,6 +394,35 @@ def test_arguments_of_the_wrong_type_are_named() -> None:
                            ((plan, None), "model: expected a torch.nn.Module, got NoneType")):
         with pytest.raises(TypeError, match=expected):
             executor.apply(*args)
+    with pytest.raises(TypeError, match="mesh: expected a torch DeviceMesh"):
+        executor.apply(plan, model, mesh={"dp": 1})
+
+
+def test_a_plan_changed_in_python_is_checked_again() -> None:
+    """pydantic validates on construction only: an assignment made after reading a plan
+    used to reach apply's checks and fail inside them (a ValueError from zip)."""
+    model = _llama()
+    plan = make_plan(model, {"dp": 1})
+    plan.parameters[0].placements = ["R", "R"]
+    assert (f"plan: parameters: {plan.parameters[0].fqn} has 2 placements for a 1-D mesh"
+            in _refused(plan, model))
+
+
+def test_apply_twice_is_refused() -> None:
+    """A second apply on an applied model failed inside torch (FSDP2's contract, or a
+    bad MRO on the next forward), the model half changed."""
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        case = Case("llama", {"tp": 2})
+        executor.rng.manual_seed(SEED)
+        model = build(case)
+        plan = make_plan(model, case.mesh)
+        model = executor.apply(plan, model)
+        with pytest.raises(executor.PlanError, match="model: executor.apply already ran on this model"):
+            executor.apply(plan, model)
+    finally:
+        torch.distributed.destroy_process_group()
+        executor.rng.deactivate()
 
 
 def test_a_meta_model_without_a_seed_says_which_call_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:

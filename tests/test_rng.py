@@ -13,6 +13,7 @@ import random
 import threading
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -584,6 +585,8 @@ def test_interception_is_per_thread() -> None:
 def test_bad_input_errors() -> None:
     with pytest.raises(TypeError, match="seed must be an int"):
         rng.manual_seed("1")  # type: ignore[arg-type]
+    rng.manual_seed(np.int64(SEED))  # numpy's ints are ints, as torch.manual_seed takes them
+    assert rng.get_state() == {"seed": SEED, "counter": 0}
     with pytest.raises(ValueError, match="'counter' must be an int >= 0"):
         rng.set_state({"seed": 1, "counter": -1})
     rng.manual_seed(SEED)
