@@ -44,8 +44,10 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -369,6 +371,22 @@ def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_s
     """Trace ``model`` (preset, config.json path, HF config dict/object, or nn.Module),
     built in ``dtype`` (a module as it is): the training dtype, so the graph shows which
     ops run in fp32 anyway (Hugging Face's norms and loss upcast)."""
+    with _executor_rng_suspended():
+        return _trace(model, batch_size, seq_len, dtype)
+
+
+def _executor_rng_suspended() -> AbstractContextManager:
+    """A training script that seeded meshplan's executor.rng has it intercept every random
+    op of its thread: building and exporting a model here would draw from that stream
+    (shifting the training run's dropout masks against the 1-device run) and export
+    through its mode (torch.export then fails on a data-dependent value).  The planner
+    does not import the executor; where the script has, it is suspended here."""
+    rng = sys.modules.get("executor.rng")
+    return rng.suspended() if rng is not None and rng.is_active() else nullcontext()
+
+
+def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_size: int,
+           seq_len: int, dtype: torch.dtype) -> nx.DiGraph:
     if batch_size <= 0:
         raise ConfigError(f"batch_size: must be positive, got {batch_size}")
     if seq_len <= 0:

@@ -594,3 +594,20 @@ def test_bad_input_errors() -> None:
         torch.randint(3, 3, (2,))
     with pytest.raises(TypeError, match="dtype torch.int64"):
         torch.empty(3, dtype=torch.int64).normal_()
+
+
+def test_planning_in_a_seeded_script_draws_nothing() -> None:
+    """A script that seeds, then plans: tracing built and exported models through this
+    module's interception, drawing from the training stream (the N-device run's masks
+    then shifted against a 1-device run that planned elsewhere), and exporting a model
+    with dropout failed on the counter (a data-dependent value)."""
+    import planner
+    from planner.presets import build_model, load_config
+
+    config = load_config("llama-tiny")
+    config.attention_dropout = 0.1
+    model = build_model(config, "cpu")
+    rng.manual_seed(SEED)
+    planner.plan(model, devices=2, profile="cpu-gloo-local", batch_size=8, seq_len=16)
+    planner.hand_plan("llama-tiny", 2, "cpu-gloo-local", batch_size=8, seq_len=16, dp=2)
+    assert rng.is_active() and rng.get_state() == {"seed": SEED, "counter": 0}
