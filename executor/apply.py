@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -114,6 +115,10 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     if plan.devices == 1:
         return deferred_init.materialize(model) if on_meta else model
+    if not rng.is_active() and _draws_dropout(model):
+        warnings.warn("executor.rng is not seeded (or not active), so dropout draws from torch's generator: this "
+                      f"{plan.devices}-device run will not reproduce the 1-device run; call "
+                      "executor.rng.manual_seed(seed) before building the model", stacklevel=2)
     setattr(model, _APPLIED, True)
     mesh = mesh or _build_mesh(plan, layout)
     model_mesh = mesh[layout.model] if _size(mesh, layout.model) > 1 else None
@@ -142,6 +147,16 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
 
 
 # -- checks ------------------------------------------------------------------------------
+
+def _draws_dropout(model: nn.Module) -> bool:
+    """Dropout modules with p > 0, or a Hugging Face config's dropout probabilities
+    (attention dropout is a config value its forward reads, not a module)."""
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    fields = config.to_dict() if hasattr(config, "to_dict") else {}
+    return any(k.endswith(("dropout", "pdrop")) and isinstance(v, float) and v > 0 for k, v in fields.items())
+
 
 def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) -> _Layout:
     problems: list[str] = []

@@ -408,6 +408,19 @@ def test_a_plan_changed_in_python_is_checked_again() -> None:
             in _refused(plan, model))
 
 
+def test_dropout_without_a_seed_warns() -> None:
+    """Unseeded, dropout comes from torch's generator, whose masks depend on the sharding:
+    the run silently differed from one device's."""
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        executor.rng.deactivate()
+        model = build(Case("llama", {"tp": 2}, dropout=0.1))
+        with pytest.warns(UserWarning, match=r"executor.rng is not seeded \(or not active\), so dropout draws from torch's"):
+            executor.apply(make_plan(model, {"tp": 2}), model)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_apply_twice_is_refused() -> None:
     """A second apply on an applied model failed inside torch (FSDP2's contract, or a
     bad MRO on the next forward), the model half changed."""
