@@ -35,7 +35,7 @@ FORMAT_VERSION = 1
 
 
 class CheckpointError(RuntimeError):
-    """The path is not a complete meshplan checkpoint."""
+    """The path is not a complete meshplan checkpoint, or not one of this model."""
 
 
 def save(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | None = None,
@@ -78,6 +78,7 @@ def load(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     if optimizer is not None and not record["optimizer"]:
         raise CheckpointError(f"optimizer: {path} was saved without optimizer state")
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    _check_model(Path(path), model_sd)
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optim"] = optim_sd
@@ -87,6 +88,25 @@ def load(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     if record["rng"] is not None:
         rng.set_state(record["rng"])
     return record["step"]
+
+
+def _check_model(path: Path, model_sd: dict[str, Any]) -> None:
+    """The checkpoint's parameters against the model's, by FQN and global shape, from DCP's
+    metadata: DCP's own error for a mismatch is a multi-rank traceback in a
+    BaseException (``CheckpointException``), which ``except Exception`` does not catch.
+    Parameters the checkpoint has and the model lacks are fine: a pipeline rank loads
+    its stages' only."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = "model."  # the state saved is {"model": ..., "optim": ...}, flattened
+    problems = []
+    for fqn, value in model_sd.items():
+        meta = saved.get(prefix + fqn)
+        if meta is None:
+            problems.append(f"{fqn}: in the model, not in the checkpoint")
+        elif hasattr(meta, "size") and hasattr(value, "shape") and tuple(meta.size) != tuple(value.shape):
+            problems.append(f"{fqn}: checkpoint shape {list(meta.size)}, model shape {list(value.shape)}")
+    if problems:
+        raise CheckpointError(f"model: {path} does not fit the model:\n  " + "\n  ".join(problems))
 
 
 def _read_record(path: Path) -> dict[str, Any]:

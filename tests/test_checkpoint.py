@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 import executor
 from executor.checkpoint import RECORD, CheckpointError
+from planner.presets import PRESETS, build_model, load_config
 
 SAVE_AT, STEPS = 3, 6
 SAVER = Case("llama", {"dp": 2, "tp": 2}, fsdp=True, sp=True, dropout=0.1)
@@ -144,3 +145,18 @@ def test_save_replaces_an_older_checkpoint_and_clears_debris(tmp_path: Path) -> 
     assert executor.load(path, model=model) == 2
     assert torch.equal(model.up_proj.weight, expected)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_name(runs: dict) -> None:
+    """The 4-rank FSDP + TP checkpoint loaded into a wider or deeper Llama: DCP's own error
+    is a multi-rank traceback in a BaseException that ``except Exception`` misses."""
+    path = Path(runs["root"]) / "ckpt"
+    for change, expected in (({"hidden_size": 64, "intermediate_size": 128},
+                              "model.embed_tokens.weight: checkpoint shape [128, 32], model shape [128, 64]"),
+                             ({"num_hidden_layers": 3},
+                              "model.layers.2.mlp.up_proj.weight: in the model, not in the checkpoint")):
+        config = {**PRESETS["llama-tiny"], **change}
+        model = build_model(load_config(config), device="cpu")
+        with pytest.raises(CheckpointError, match="does not fit the model") as e:
+            executor.load(path, model=model)
+        assert expected in str(e.value), str(e.value)
