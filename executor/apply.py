@@ -476,6 +476,10 @@ def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLa
                            last: _LastConversion) -> None:
     def redistribute(t: torch.Tensor, spec: list[str], shared: bool = False) -> torch.Tensor:
         target = placements(spec)
+        if any(isinstance(p, Shard) and p.dim >= t.dim() for p in target):  # else an IndexError in torch
+            side = "input" if shared else "output"
+            raise PlanError(f"modules: {layout.module} {side} {spec} shards a dim that its "
+                            f"{t.dim()}-D activation {list(t.shape)} does not have")
         if shared and (done := last.get(t, target)) is not None:
             return done
 

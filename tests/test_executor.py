@@ -421,6 +421,26 @@ def test_dropout_without_a_seed_warns() -> None:
         torch.distributed.destroy_process_group()
 
 
+def test_a_module_layout_the_activation_cannot_take_is_named() -> None:
+    """A plan's module layout sharding a dim the activation lacks raised an IndexError
+    from inside DTensor's redistribution, naming no module."""
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        executor.rng.manual_seed(SEED)
+        model = build(Case("llama", {"tp": 2}))
+        plan = make_plan(model, {"tp": 2}, sp=True)
+        down = next(m for m in plan.modules if m.module.endswith("mlp.down_proj"))
+        down.output = ["S(5)"]
+        model = executor.apply(plan, model)
+        ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+        with pytest.raises(executor.PlanError, match=re.escape(
+                f"modules: {down.module} output ['S(5)'] shards a dim that its 3-D activation")):
+            model(input_ids=ids, labels=ids)
+    finally:
+        torch.distributed.destroy_process_group()
+        executor.rng.deactivate()
+
+
 def test_apply_twice_is_refused() -> None:
     """A second apply on an applied model failed inside torch (FSDP2's contract, or a
     bad MRO on the next forward), the model half changed."""
