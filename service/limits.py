@@ -15,6 +15,10 @@ MAX_DEVICES = 1 << 20
 MAX_BATCH_SIZE = 1 << 24
 MAX_SEQ_LEN = 1 << 21
 MAX_TIME_LIMIT_S = 600.0
+# Objects and arrays inside an inline hf_config (the config itself is level 1).  Real
+# configs nest 3 or 4 deep (text_config.rope_scaling); pydantic's serialiser gives up
+# at about 255 levels, and the content address is computed by serialising the request.
+MAX_HF_CONFIG_DEPTH = 32
 
 # strict: JSON's true is not one device, nor 2.0 two.
 Devices = Annotated[int, Field(strict=True, ge=1, le=MAX_DEVICES)]
@@ -23,7 +27,8 @@ SeqLen = Annotated[int, Field(strict=True, ge=1, le=MAX_SEQ_LEN)]
 MeshDimName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,15}$")]
 MeshShape = Annotated[dict[MeshDimName, Devices], Field(max_length=8)]
 # NaN compares false with every bound, so it is refused by name, not by "<= 600".
-TimeLimit = Annotated[float, Field(gt=0, le=MAX_TIME_LIMIT_S, allow_inf_nan=False)]
+# strict: JSON's true is not 1 s, nor "5" five (strict floats still take integers).
+TimeLimit = Annotated[float, Field(strict=True, gt=0, le=MAX_TIME_LIMIT_S, allow_inf_nan=False)]
 
 
 def parse_text(kind: Any, text: str) -> Any:
