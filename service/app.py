@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from cost_model.profile import Profile, load_profile, problem_lines, shipped_profiles
 from planner.presets import ConfigError
 from service.models import (
+    JSON_VALUE_ERROR,
     ErrorResponse,
     Health,
     PlanList,
@@ -60,6 +61,27 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 # No pattern: an id of the wrong form is an id that is not there (404), not a 422.
 PLAN_ID = PathParam(description=f"plan id ({ID_LENGTH} hex digits)")
+
+
+class HeadAsGet:
+    """Answer HEAD on every GET route (FastAPI routes take only the methods they name;
+    load balancers probe with HEAD): the request goes to the app as a GET and the
+    response goes out with the GET's headers (Content-Length included) and no body."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
 class BodySizeLimit:
@@ -100,17 +122,24 @@ class BodySizeLimit:
         await JSONResponse({"detail": self._message()}, status_code=413)(scope, receive, send)
 
 
+# The tags of PlanRequest.model's union, which pydantic puts in an error's location
+# after the field's name (model.hf_config.foo for an extra key "foo" beside hf_config).
+_MODEL_UNION_TAGS = ("preset", "hf_config")
+
+
 def _field(loc: tuple[Any, ...] | list[Any]) -> str:
-    parts: list[str] = []
-    for p in map(str, loc):
-        if p not in ("body", "query", "path") and (not parts or parts[-1] != p):
-            parts.append(p)  # a union tag repeats the field name: model.hf_config.hf_config
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    if len(parts) > 1 and parts[0] == "model" and parts[1] in _MODEL_UNION_TAGS:
+        del parts[1]
     return ".".join(parts) or "body"
 
 
 def _problem(error: dict[str, Any]) -> str:
     if error["type"] == "json_invalid":
         return f"body: invalid JSON ({error.get('ctx', {}).get('error', 'unparsable')})"
+    if error["type"] == JSON_VALUE_ERROR:  # a problem inside an inline JSON value: its path
+        ctx = error["ctx"]
+        return f"{'.'.join(filter(None, [_field(error['loc']), ctx['path']]))}: {ctx['problem']}"
     return f"{_field(error['loc'])}: {error['msg'].removeprefix('Value error, ')}"
 
 
@@ -190,9 +219,13 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
             pool.close()
             store.close()
 
+    # No /docs or /redoc: FastAPI's pages load Swagger UI / ReDoc from a CDN, so they
+    # would be blank offline.  The schema itself is /openapi.json.
     app = FastAPI(title="meshplan", version="1.0",
-                  description="Auto-parallel training plans for PyTorch models.", lifespan=lifespan)
+                  description="Auto-parallel training plans for PyTorch models.", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(HeadAsGet)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -201,11 +234,14 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
     @app.exception_handler(StarletteHTTPException)  # what FastAPI raises on an undecodable body
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         # FastAPI's answer to a body it cannot decode names nothing; bytes that are not
-        # UTF-8 are the one case a client can fix without being told more.
+        # UTF-8, and JSON nested deeper than the parser's recursion limit (~1000 levels),
+        # are the cases a client can fix once told which.
         if isinstance(exc.__cause__, UnicodeDecodeError):
             cause = exc.__cause__
             return JSONResponse({"detail": f"body: not valid UTF-8 JSON (byte {cause.object[cause.start]:#04x} "
                                            f"at position {cause.start})"}, status_code=400)
+        if isinstance(exc.__cause__, RecursionError):
+            return JSONResponse({"detail": "body: JSON nested too deeply"}, status_code=400)
         return await http_exception_handler(request, exc)
 
     @app.exception_handler(PlannerUnavailable)
@@ -250,7 +286,10 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
                 raise HTTPException(422, str(e)) from None
         else:
             request = request.with_defaults(default_time_limit_s)
-        key = request.key()
+        try:
+            key = request.key()
+        except ValueError as e:  # validation should have refused it: a 422, never a 500
+            raise HTTPException(422, str(e)) from None
         row = store.get_by_key(key)
         cached = row is not None
         if row is None:

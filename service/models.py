@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 from importlib import metadata, resources
 from pathlib import Path
 from typing import Annotated, Any
@@ -23,10 +24,16 @@ from pydantic import (
     Tag,
     field_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from planner.presets import PRESETS
 from planner.search import DEFAULT_SEQ_LEN_CAP, default_shape
-from service.limits import BatchSize, Devices, MeshShape, SeqLen, TimeLimit
+from service.limits import MAX_HF_CONFIG_DEPTH, BatchSize, Devices, MeshShape, SeqLen, TimeLimit
+
+# The error type of a problem inside an inline JSON value.  Its ctx names the path below
+# the field (``rms_norm_eps``), which service.app appends to the field's own path, so
+# the client reads ``model.hf_config.rms_norm_eps: must be a finite number``.
+JSON_VALUE_ERROR = "json_value"
 
 # Config keys that make transformers look outside the config (remote code, hub
 # kernels, quantisers, files).  load_config ignores most of them, but a server
@@ -41,6 +48,42 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+_JSON_TYPE_NAMES = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
+                    list: "array", dict: "object"}
+
+
+def json_type_name(value: Any) -> str:
+    """``value``'s JSON type as a client wrote it (``integer``, ``array``, ...)."""
+    return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def check_json_value(value: Any, max_depth: int) -> None:
+    """Refuse what would make a parsed JSON value unusable as part of a request's content
+    address: nesting deeper than ``max_depth`` (pydantic's serialiser fails on deep values
+    with 'Circular reference detected') and NaN or infinities (serialised as null, so
+    ``NaN`` and ``Infinity`` would be one request).  Iterative: a deep value must not
+    exhaust the Python stack here either.  Raises PydanticCustomError JSON_VALUE_ERROR."""
+    stack: list[tuple[Any, tuple[str, ...], int]] = [(value, (), 1)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            raise PydanticCustomError(JSON_VALUE_ERROR, "{path}: {problem}",
+                                      {"path": ".".join(path), "problem": "must be a finite number"})
+        children: list[tuple[str, Any]]
+        if isinstance(node, dict):
+            children = [(str(k), v) for k, v in node.items()]
+        elif isinstance(node, list):
+            children = [(str(i), v) for i, v in enumerate(node)]
+        else:
+            continue
+        if depth > max_depth:
+            raise PydanticCustomError(
+                JSON_VALUE_ERROR, "{path}: {problem}",
+                {"path": "", "problem": f"nested too deeply (more than {max_depth} levels of objects and arrays)"})
+        # Reversed, so that the first problem in document order is the one reported.
+        stack.extend((child, (*path, key), depth + 1) for key, child in reversed(children))
+
+
 class HFConfigModel(_Request):
     hf_config: dict[str, Any] = Field(
         description="a Hugging Face config.json as an object; model_type must be supported")
@@ -51,6 +94,7 @@ class HFConfigModel(_Request):
         bad = sorted(k for k in value if k in _FORBIDDEN_HF_KEYS or k.startswith("_"))
         if bad:
             raise ValueError(f"keys {bad} are not accepted by the service (they load code or files)")
+        check_json_value(value, MAX_HF_CONFIG_DEPTH)
         return value
 
 
@@ -80,6 +124,23 @@ class PlanRequest(_Request):
         examples=[{"dp": 8, "tp": 8}])
     time_limit_s: TimeLimit | None = Field(
         default=None, description="solver time limit in seconds; default: the server's --time-limit")
+
+    # A value of neither branch's type is named here: the unions would answer with one
+    # branch's complaint (or both, tagged 'str' and 'dict[str,any]'), which hides the other.
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_shape(cls, value: Any) -> Any:
+        if not isinstance(value, str | dict):
+            raise ValueError(f'expected a preset name or {{"hf_config": {{...}}}}, got {json_type_name(value)}')
+        return value
+
+    @field_validator("profile", mode="before")
+    @classmethod
+    def _profile_shape(cls, value: Any) -> Any:
+        if not isinstance(value, str | dict):
+            raise ValueError(f"expected a shipped profile name or an inline profile object, "
+                             f"got {json_type_name(value)}")
+        return value
 
     @field_validator("model")
     @classmethod
@@ -122,8 +183,13 @@ class PlanRequest(_Request):
 
     def key(self) -> str:
         """Content address of a (defaults-filled) request: canonical JSON and the planner's
-        revision, sha256."""
-        body = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        revision, sha256.  Validation keeps the request serialisable (check_json_value);
+        should anything still fail to serialise, that is a ValueError naming the body,
+        which the service answers with a 422, never a 500."""
+        try:
+            body = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        except (ValueError, TypeError, RecursionError) as e:  # pydantic_core's errors are ValueErrors
+            raise ValueError(f"body: the request cannot be serialised as canonical JSON ({e})") from None
         return hashlib.sha256(f"{planner_revision()}\n{body}".encode()).hexdigest()
 
 

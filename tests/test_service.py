@@ -18,13 +18,21 @@ import pytest
 
 from cost_model.profile import load_profile
 from planner.schema import Plan
-from service.limits import MAX_TIME_LIMIT_S
-from service.models import PlanRequest
+from service.limits import MAX_HF_CONFIG_DEPTH, MAX_TIME_LIMIT_S
+from service.models import HFConfigModel, PlanRequest
 from service.process import ServerProcess
 from service.worker import PlannerPool, PlanningInputError, PlanningTimeout
 
 PROFILE = "h100-sxm-80g"
 TINY = {"model": "llama-tiny", "devices": 2, "profile": PROFILE, "batch_size": 4, "seq_len": 32}
+
+
+def _nested(depth: int) -> list:
+    """A JSON array ``depth`` levels deep: [[[...]]]."""
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
 
 
 def _inline_profile(name: str = PROFILE, all_reduce: float | None = None, bf16: float | None = None) -> dict:
@@ -78,6 +86,50 @@ def test_spelled_out_defaults_are_the_same_request() -> None:
     assert PlanRequest(model="llama-tiny", devices=4, profile=PROFILE).with_defaults(60.0).key() != implicit.key()
     assert (PlanRequest(model="llama-tiny", devices=2, profile=PROFILE, time_limit_s=30).with_defaults(60.0).key()
             != implicit.key())
+
+
+def test_strict_time_limit_still_takes_integers_and_floats() -> None:
+    assert PlanRequest(**TINY, time_limit_s=5).time_limit_s == 5.0
+    assert PlanRequest.model_validate_json('{"model": "llama-tiny", "devices": 2, "profile": "p", '
+                                           '"time_limit_s": 2.5}').time_limit_s == 2.5
+
+
+def test_hf_config_at_the_depth_limit_is_accepted_and_hashed() -> None:
+    config = {"model_type": "llama", "x": _nested(MAX_HF_CONFIG_DEPTH - 1)}  # the config is level 1
+    request = PlanRequest(**{**TINY, "model": {"hf_config": config}})
+    assert len(request.key()) == 64
+
+
+def test_a_request_that_cannot_be_hashed_is_a_value_error_naming_the_body() -> None:
+    """key() fails with a ValueError (the service's 422), whatever slips past validation."""
+    unchecked = HFConfigModel.model_construct(hf_config={"x": _nested(300)})
+    request = PlanRequest.model_construct(**{**TINY, "model": unchecked, "time_limit_s": 60.0})
+    with pytest.raises(ValueError, match="^body: "):
+        request.key()
+
+
+def test_head_is_answered_on_get_routes(server: ServerProcess) -> None:
+    """Load balancers probe with HEAD: the GET's status and headers, no body."""
+    status, body = server.post("/v1/plans", TINY)
+    assert status in (200, 201), body
+    for path in ("/", "/healthz", "/v1/plans", f"/v1/plans/{body['id']}", f"/plans/{body['id']}",
+                 "/v1/profiles", f"/v1/profiles/{PROFILE}", "/openapi.json"):
+        with urllib.request.urlopen(urllib.request.Request(server.url + path, method="HEAD"), timeout=30) as head:
+            assert head.status == 200, path
+            assert head.read() == b"", path
+            length = head.headers["Content-Length"]
+        if path != "/healthz":  # its counters may change in between
+            with urllib.request.urlopen(server.url + path, timeout=30) as get:
+                assert int(length) == len(get.read()), path
+
+
+def test_no_api_page_that_needs_a_cdn(server: ServerProcess) -> None:
+    """FastAPI's /docs and /redoc load Swagger UI and ReDoc from a CDN (blank offline):
+    they are off; the schema is /openapi.json."""
+    for path in ("/docs", "/redoc"):
+        status, _ = server.request("GET", path)
+        assert status == 404, path
+    assert "/v1/plans" in server.get("/openapi.json")["paths"]
 
 
 def test_a_changed_planner_does_not_serve_the_old_plans(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,6 +209,27 @@ def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
     ({key: v for key, v in TINY.items() if key != "devices"}, 422, "devices: Field required"),
     ({"model": "llama3-70b", "devices": 1, "profile": PROFILE, "batch_size": 1, "seq_len": 128}, 422, "devices: no layout"),
     (b"{not json", 422, "body: invalid JSON"),
+    # Nesting: deeper than the request's limit (pydantic's serialiser, which computes the
+    # plan id, fails at ~255 levels: a 500 before), and deeper than the JSON parser's.
+    ({**TINY, "model": {"hf_config": {"model_type": "llama", "x": _nested(300)}}}, 422,
+     "model.hf_config: nested too deeply"),
+    ({**TINY, "model": {"hf_config": {"model_type": "llama", "x": _nested(MAX_HF_CONFIG_DEPTH)}}}, 422,
+     "model.hf_config: nested too deeply"),
+    (b'{"model": "llama-tiny", "devices": 2, "profile": "h100-sxm-80g", "mesh": ' + b"[" * 5000 + b"]" * 5000
+     + b"}", 400, "body: JSON nested too deeply"),
+    # NaN and the infinities would all be null in the plan id.
+    ({**TINY, "model": {"hf_config": {"model_type": "llama", "rms_norm_eps": float("nan")}}}, 422,
+     "model.hf_config.rms_norm_eps: must be a finite number"),
+    ({**TINY, "model": {"hf_config": {"model_type": "llama", "rope_scaling": {"f": [1.0, float("-inf")]}}}},
+     422, "model.hf_config.rope_scaling.f.1: must be a finite number"),
+    ({**TINY, "time_limit_s": True}, 422, "time_limit_s: Input should be a valid number"),
+    ({**TINY, "time_limit_s": "5"}, 422, "time_limit_s: Input should be a valid number"),
+    # Neither branch of a union: named as the field's, not as one branch's (or a tag's).
+    ({**TINY, "profile": 7}, 422,
+     "profile: expected a shipped profile name or an inline profile object, got integer"),
+    ({**TINY, "model": 5}, 422, 'model: expected a preset name or {"hf_config": {...}}, got integer'),
+    ({**TINY, "model": [1]}, 422, 'model: expected a preset name or {"hf_config": {...}}, got array'),
+    ({**TINY, "model": {"hf_config": {}, "foo": 1}}, 422, "model.foo: Extra inputs are not permitted"),
     (b'{"model": "\xff"}', 400, "body: not valid UTF-8 JSON (byte 0xff at position 11)"),
 ])
 def test_bad_input_is_a_4xx_naming_the_field(server: ServerProcess, body: object, status: int,

@@ -124,6 +124,57 @@ def test_unknown_plan_shows_an_error(served_plan: tuple[ServerProcess, str, Plan
     assert "no plan" in " ".join(page.text)
 
 
+@pytest.mark.parametrize("address", ["ABCDEF0123", "not-an-id", "%C3%A9t%C3%A9", "0" * 20 + "/"])
+def test_a_plan_address_of_any_form_names_no_plan(served_plan: tuple[ServerProcess, str, Plan],
+                                                  address: str) -> None:
+    """An id the page cannot take is a plan that is not there, not the list of plans."""
+    server, _, _ = served_plan
+    page = Elements(render(f"{server.url}/plans/{address}"))
+    assert page.within("main", cls="error"), " ".join(page.text)
+    assert "no plan" in " ".join(page.text)
+    assert not page.within("main", tag="table")
+
+
+def _big_mesh_plan(server: ServerProcess) -> str:
+    """A llama-tiny plan on a 1-D mesh of 2^20 devices (forced: no search, quick)."""
+    n = 1 << 20
+    status, body = server.post("/v1/plans", {"model": "llama-tiny", "devices": n, "profile": PROFILE,
+                                             "batch_size": n, "seq_len": 32, "mesh": {"dp": n}})
+    assert status in (200, 201), body
+    return str(body["id"])
+
+
+def test_a_long_mesh_dim_wraps_and_its_groups_are_abridged(served_plan: tuple[ServerProcess, str, Plan]) -> None:
+    server, _, _ = served_plan
+    page = Elements(render(f"{server.url}/plans/{_big_mesh_plan(server)}"))
+    assert not page.within("main", cls="error"), " ".join(page.text)
+    grid = next(a for _, a, _ in page.found if a.get("id") == "mesh-grid")
+    columns = re.search(r"repeat\((\d+)", grid["style"])
+    assert columns and int(columns[1]) <= 16, grid["style"]
+    assert len(page.within("mesh-grid", cls="rank")) == 1024
+    text = " ".join(page.text)
+    assert "{0, 1, 2, …, 1048575} (1048576 ranks)" in text
+    group_lines = [t for t in page.text if " group" in t]
+    assert group_lines and max(map(len, group_lines)) < 200  # not every member of the group
+    assert page.within("main", tag="p", cls="muted") and "16 ranks per row" in text
+
+
+def test_the_plan_list_pages(served_plan: tuple[ServerProcess, str, Plan]) -> None:
+    """Not only the newest page: the list says how many it shows and links to the rest."""
+    server, _, _ = served_plan
+    _big_mesh_plan(server)  # at least two plans
+    ids = [p["id"] for p in server.get("/v1/plans?limit=1000")["plans"]]
+    assert len(ids) >= 2
+    page = Elements(render(f"{server.url}/?limit=1"))
+    assert [a["href"] for a in page.within("plan-list", tag="a")] == [f"/plans/{ids[0]}"]
+    assert f"showing the newest 1 of {len(ids)} plans" in " ".join(page.text)
+    older = page.within("plan-pager", tag="a")
+    assert [a["href"] for a in older] == ["/?offset=1&limit=1"]
+    page = Elements(render(f"{server.url}{older[0]['href']}"))
+    assert [a["href"] for a in page.within("plan-list", tag="a")] == [f"/plans/{ids[1]}"]
+    assert "/?offset=0&limit=1" in [a["href"] for a in page.within("plan-pager", tag="a")]
+
+
 def test_viewer_loads_nothing_from_the_network(served_plan: tuple[ServerProcess, str, Plan]) -> None:
     server, _, _ = served_plan
     with urllib.request.urlopen(f"{server.url}/") as resp:

@@ -5,6 +5,12 @@
 const GiB = 1024 ** 3;
 const RANK_COLOURS = ["#4c8bf5", "#f29d38", "#3fae6a", "#9b6ad6", "#e0567a", "#2aa3b8", "#a08a3c", "#6b7385"];
 const MAX_RANKS_DRAWN = 1024;
+// The grid wraps a long last dim (a 1-D dp=1024 mesh would be one row as wide as 1024 cells).
+const MAX_GRID_COLUMNS = 16;
+// A process group is shown by its first members and its last, with its size.
+const GROUP_MEMBERS_SHOWN = 3;
+// Plans per page of the list (GET /v1/plans takes at most 1000); `/?limit=N&offset=M` pages.
+const PLANS_PER_PAGE = 200;
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -31,8 +37,27 @@ function section(title, ...body) {
 }
 
 // ---- plan list --------------------------------------------------------------
+function intParam(params, name, fallback, lo, hi) {
+  const v = Number(params.get(name));
+  return params.has(name) && Number.isInteger(v) ? Math.min(Math.max(v, lo), hi) : fallback;
+}
+
+function pager(offset, limit, shown, total) {
+  // Where this page is in the list, with links to the newer and older pages (`/?offset=N`).
+  if (offset === 0 && shown >= total) return null;
+  const page = (o) => `/?offset=${o}` + (limit === PLANS_PER_PAGE ? "" : `&limit=${limit}`);
+  return el("p", { class: "muted", id: "plan-pager" },
+    offset === 0 ? `showing the newest ${shown} of ${total} plans`
+      : shown ? `showing plans ${offset + 1}–${offset + shown} of ${total}, newest first` : `no plans after the first ${total}`,
+    offset > 0 ? [" · ", el("a", { href: page(Math.max(0, offset - limit)), id: "newer-plans" }, "← newer")] : null,
+    offset + shown < total ? [" · ", el("a", { href: page(offset + limit), id: "older-plans" }, "older →")] : null);
+}
+
 async function showList(main) {
-  const res = await fetch("/v1/plans?limit=200");
+  const params = new URLSearchParams(location.search);
+  const limit = intParam(params, "limit", PLANS_PER_PAGE, 1, 1000);
+  const offset = intParam(params, "offset", 0, 0, 2 ** 31);
+  const res = await fetch(`/v1/plans?limit=${limit}&offset=${offset}`);
   if (!res.ok) throw new Error(`GET /v1/plans: ${res.status}`);
   const data = await res.json();
   const rows = data.plans.map((p) => el("tr", {},
@@ -40,13 +65,14 @@ async function showList(main) {
     el("td", {}, p.model), el("td", { class: "num" }, p.devices), el("td", {}, p.profile),
     el("td", { class: "mono" }, meshText(p.mesh)), el("td", { class: "num" }, fmtS(p.step_time_s)),
     el("td", {}, new Date(p.created * 1000).toLocaleString())));
-  main.replaceChildren(section(`Plans (${data.total})`,
+  main.replaceChildren(section(`Plans (${data.total})`, pager(offset, limit, rows.length, data.total),
     rows.length ? el("table", { id: "plan-list" },
       el("thead", {}, el("tr", {}, ["id", "model", "devices", "profile", "mesh", "step time", "created"]
         .map((h) => el("th", {}, h)))),
       el("tbody", {}, rows))
       : el("p", { class: "muted", id: "plan-list" },
-        "No plans yet: POST /v1/plans (see /docs) or run `meshplan plan`, or open a plan.json above.")));
+        data.total ? "No plans on this page." :
+          "No plans yet: POST /v1/plans (schema: /openapi.json) or run `meshplan plan`, or open a plan.json above.")));
 }
 
 // ---- mesh -------------------------------------------------------------------
@@ -56,24 +82,20 @@ function coordsOf(rank, sizes) {
   return c;
 }
 
-function groupsAlong(dim, sizes) {
-  // Ranks that differ only in `dim` form one process group of that mesh dim.
-  const total = sizes.reduce((a, b) => a * b, 1);
-  const seen = new Set(), groups = [];
-  const stride = sizes.slice(dim + 1).reduce((a, b) => a * b, 1);
-  for (let r = 0; r < total; r++) {
-    if (seen.has(r)) continue;
-    const base = r - coordsOf(r, sizes)[dim] * stride;
-    const g = [];
-    for (let i = 0; i < sizes[dim]; i++) { g.push(base + i * stride); seen.add(base + i * stride); }
-    groups.push(g);
-  }
-  return groups;
+function groupText(dim, sizes, g) {
+  // Ranks that differ only in `dim` form one process group of that mesh dim.  Group g (in
+  // the order of its lowest rank) is computed, not enumerated: a mesh may have 2^20 ranks.
+  const stride = sizes.slice(dim + 1).reduce((a, b) => a * b, 1), n = sizes[dim];
+  const base = Math.floor(g / stride) * n * stride + (g % stride);
+  const member = (i) => base + i * stride;
+  if (n <= GROUP_MEMBERS_SHOWN + 2) return `{${Array.from({ length: n }, (_, i) => member(i)).join(", ")}}`;
+  const head = Array.from({ length: GROUP_MEMBERS_SHOWN }, (_, i) => member(i)).join(", ");
+  return `{${head}, …, ${member(n - 1)}} (${n} ranks)`;
 }
 
 function meshSection(plan) {
   const dims = plan.mesh.dims, sizes = dims.map((d) => d.size), total = plan.mesh.dims.reduce((a, d) => a * d.size, 1);
-  const cols = sizes[sizes.length - 1];
+  const last = sizes[sizes.length - 1], cols = Math.min(last, MAX_GRID_COLUMNS);
   const grid = el("div", { class: "mesh", id: "mesh-grid", style: { gridTemplateColumns: `repeat(${cols}, auto)` } });
   for (let r = 0; r < Math.min(total, MAX_RANKS_DRAWN); r++) {
     const c = coordsOf(r, sizes);
@@ -83,15 +105,17 @@ function meshSection(plan) {
     `rank ${r}`, el("span", { class: "coord" }, dims.map((d, i) => `${d.name}${c[i]}`).join("·"))));
   }
   const groups = el("ul", { class: "groups" }, dims.map((d, i) => {
-    const gs = groupsAlong(i, sizes);
+    const count = total / d.size;
     const mode = dpMode(plan, d.name);
-    const shown = gs.slice(0, 6).map((g) => `{${g.join(",")}}`).join(" ");
+    const shown = Array.from({ length: Math.min(count, 6) }, (_, g) => groupText(i, sizes, g)).join(" ");
     return el("li", {}, el("b", {}, `${d.name} (${d.size}${mode ? ", " + mode : ""})`),
-      `: ${gs.length} group${gs.length > 1 ? "s" : ""} ${shown}${gs.length > 6 ? " …" : ""}`);
+      `: ${count} group${count > 1 ? "s" : ""} ${shown}${count > 6 ? " …" : ""}`);
   }));
   return section(`Device mesh: ${dims.map((d) => `${d.name}=${d.size}`).join(" × ")} (${plan.mesh.device_type}, ${total} devices)`,
     el("p", { class: "muted" }, "Ranks row-major: the last dim holds adjacent ranks (kept inside a node)."),
-    grid, total > MAX_RANKS_DRAWN ? el("p", { class: "muted" }, `first ${MAX_RANKS_DRAWN} ranks drawn`) : null, groups);
+    grid, last > cols ? el("p", { class: "muted", id: "mesh-wrap-note" },
+      `${cols} ranks per row: the ${last} ranks along ${dims[dims.length - 1].name} wrap over several rows`) : null,
+    total > MAX_RANKS_DRAWN ? el("p", { class: "muted" }, `first ${MAX_RANKS_DRAWN} of ${total} ranks drawn`) : null, groups);
 }
 
 // ---- placements -------------------------------------------------------------
@@ -253,12 +277,17 @@ function showPlan(main, plan, id) {
 
 async function route() {
   const main = document.getElementById("main");
-  const m = location.pathname.match(/^\/plans\/([0-9a-f]+)\/?$/);
+  // The server serves this page on / and /plans/{anything}: every /plans/ address is one
+  // plan's page, and one whose id is not of an id's form names no plan, like an unknown id.
+  const m = location.pathname.match(/^\/plans\/([^/]*)\/?$/);
   try {
     if (!m) return await showList(main);
-    const res = await fetch(`/v1/plans/${m[1]}`);
+    let id = m[1];
+    try { id = decodeURIComponent(id); } catch { /* keep it as written */ }
+    if (!/^[0-9a-f]+$/.test(id)) throw new Error(`plan_id: no plan ${JSON.stringify(id)} (a plan id is hex digits)`);
+    const res = await fetch(`/v1/plans/${id}`);
     const body = await res.json();
-    if (!res.ok) throw new Error(body.detail || `GET /v1/plans/${m[1]}: ${res.status}`);
+    if (!res.ok) throw new Error(body.detail || `GET /v1/plans/${id}: ${res.status}`);
     showPlan(main, body.plan, body.id);
   } catch (e) {
     main.replaceChildren(el("p", { class: "error", id: "error" }, String(e.message || e)));
