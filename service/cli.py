@@ -107,7 +107,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     except (OSError, sqlite3.Error) as e:  # opened here, before uvicorn starts
         problem = "is a directory" if db.is_dir() else f"cannot be used as an SQLite plan store ({e})"
         raise UserError(f"--db: {db} {problem}") from None
-    _progress(f"meshplan: plans stored in {db}; viewer at http://{args.host}:{args.port}/")
+    where = (f"http://{args.host}:{args.port}/" if args.port else
+             f"http://{args.host}:<port>/ (port 0: the OS picks one; uvicorn's line below names it)")
+    _progress(f"meshplan: plans stored in {db}; viewer at {where}")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
