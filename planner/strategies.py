@@ -42,7 +42,7 @@ from cost_model.profile import Profile
 from cost_model.step import fsdp_host_time
 from planner.tracer import layer_weight
 
-ANCHOR_OPS = {"linear", "addmm", "embedding", "scaled_dot_product_attention", "grouped_mm_fallback"}
+ANCHOR_OPS = {"linear", "addmm", "embedding", "scaled_dot_product_attention", "grouped_mm"}
 # Ops that reduce over features: a segment holding one cannot be feature-sharded.
 REDUCING_OPS = {"mean", "sum", "var", "layer_norm", "native_layer_norm", "softmax", "_softmax",
                 "log_softmax", "_log_softmax", "cross_entropy_loss",
@@ -57,7 +57,7 @@ VIEW_OPS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueez
 # aten level mm / addmm / bmm / baddbmm / _grouped_mm and the attention kernels): the
 # other ops are recomputed.
 SAVED_BY_SELECTIVE = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm",
-                      "scaled_dot_product_attention", "grouped_mm_fallback"}
+                      "scaled_dot_product_attention", "grouped_mm"}
 LAYOUTS = ("R", "B", "Q", "H", "P")
 ANCHOR_KINDS = ("data", "seq", "col", "row", "rep")
 
@@ -282,7 +282,7 @@ def weight_placement(kind: str, op: str, arg: int, shape: Sequence[int]) -> str:
         return ("S(1)" if kind == "col" else "S(0)") if arg == 2 else ("S(0)" if kind == "col" else "R")
     if op == "embedding":  # weight [vocab, hidden]: col shards hidden, row shards vocab
         return "S(1)" if kind == "col" else "S(0)"
-    if op == "grouped_mm_fallback":  # weight [experts, out, in]
+    if op == "grouped_mm":  # weight [experts, out, in]
         return "S(1)" if kind == "col" else "S(2)"
     return "R"
 
@@ -294,7 +294,7 @@ def _anchor_layouts(op: str, kind: str) -> tuple[str, str] | None:
     if op == "embedding":
         return {"data": ("B", "B"), "seq": ("Q", "Q"), "col": ("R", "H"), "row": ("R", "P"),
                 "rep": ("R", "R")}[kind]
-    if op == "grouped_mm_fallback" and kind == "seq":
+    if op == "grouped_mm" and kind == "seq":
         return None  # routed tokens are flattened: no sequence dim left
     return {"data": ("B", "B"), "seq": ("Q", "Q"), "col": ("R", "H"), "row": ("H", "P"),
             "rep": ("R", "R")}[kind]

@@ -71,7 +71,7 @@ _VIEW_OPS = {
 # recomputes nothing in this count and needs dQ, dK, dV from 4 matmuls (2x);
 # elementwise ops need about one pass.
 _BWD_FACTOR = {"linear": 2.0, "mm": 2.0, "addmm": 2.0, "bmm": 2.0, "matmul": 2.0,
-               "scaled_dot_product_attention": 2.0, "grouped_mm_fallback": 2.0,
+               "scaled_dot_product_attention": 2.0, "grouped_mm": 2.0,
                "embedding": 0.0}
 # Transcendental evaluations per output element, (forward, backward): the backward of
 # SiLU / GELU re-evaluates the sigmoid / erf, log-softmax's backward takes exp of its
@@ -93,9 +93,16 @@ def _op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
+# One name per computation where the export shows it under several: Hugging Face runs MoE
+# experts with torch's grouped GEMM where it has a kernel for the dtype (bf16: every GPU
+# profile's trace) and with its own custom op otherwise (fp32 on CPU).
+_SHORT_ALIASES = {"_grouped_mm": "grouped_mm", "grouped_mm_fallback": "grouped_mm"}
+
+
 def _short(op: str) -> str:
     parts = op.split(".")
-    return parts[1] if parts[0] == "aten" and len(parts) > 1 else op.split(".")[-1]
+    short = parts[1] if parts[0] == "aten" and len(parts) > 1 else op.split(".")[-1]
+    return _SHORT_ALIASES.get(short, short)
 
 
 def _tensors(val: Any) -> list[torch.Tensor]:
@@ -131,7 +138,7 @@ def _matmul_flops(short: str, ins: list[torch.Tensor], out: torch.Tensor | None,
         # kernels (flash, cuDNN) skip the masked half, which is what training runs.
         causal = causal_lm or node.kwargs.get("is_causal", False)
         return flops / 2 if causal else flops
-    if short == "grouped_mm_fallback":  # MoE experts: every routed token row x its expert
+    if short == "grouped_mm":  # MoE experts: every routed token row x its expert
         x, w = ins[0], ins[1]
         return 2.0 * x.shape[0] * w.shape[-1] * w.shape[-2]
     return 0.0
@@ -277,7 +284,7 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
 # keeps its log-probabilities, not the logits (planner.strategies counts them).
 _SAVES_INPUTS = {"linear", "addmm", "mm", "bmm", "matmul", "mul", "div", "pow", "silu", "gelu",
                  "scaled_dot_product_attention", "layer_norm", "native_layer_norm", "rms_norm",
-                 "grouped_mm_fallback", "log", "index", "gather"}
+                 "grouped_mm", "log", "index", "gather"}
 
 
 def _mark_requires_grad(graph: nx.DiGraph) -> None:

@@ -132,6 +132,19 @@ def test_gpt2_takes_torchtitans_tensor_parallel_layout():
     assert plan.prediction.memory.fits
 
 
+def test_mixtral_experts_count_on_gpu_profiles():
+    """Traced in bf16 (every GPU profile), Hugging Face runs the experts with torch's
+    ``_grouped_mm``, not the custom op of an fp32 trace: the planner knew only the latter,
+    so 45 of Mixtral's 47B parameters, and their FLOPs, were missing (it said 8 x H100
+    fit it with 0.4 GiB of weights per device)."""
+    params = 46_702_792_704
+    plan = planner.hand_plan("mixtral-8x7b", 64, "h100-sxm-80g", dp=64, fsdp=True, batch_size=64,
+                             seq_len=4096)
+    assert plan.prediction.memory.parameters == pytest.approx(params * 2 / 64, rel=1e-3)
+    with pytest.raises(planner.PlanningError, match="no layout of mixtral-8x7b fits on 8 x h100-sxm-80g"):
+        planner.plan("mixtral-8x7b", 8, "h100-sxm-80g", batch_size=16, seq_len=4096)
+
+
 def test_small_model_on_one_dim_is_pure_data_parallel():
     # Across 8 nodes FSDP's extra gathers cross InfiniBand and cost more than they
     # save.  (Inside one NVLink node the cost model prefers FSDP even for GPT-2:
