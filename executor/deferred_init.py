@@ -118,9 +118,12 @@ def materialize(
 
     ``placements(fqn)`` returns ``(mesh, placements)`` to make that tensor a
     DTensor holding only this rank's shard, or None to keep a plain tensor on
-    ``device``.  ``seed`` defaults to the last ``executor.rng.manual_seed``;
-    afterwards the generator stands where the reference's does after building
-    the model, so training draws match too.  Tied parameters stay tied.
+    ``device``.  ``seed`` defaults to the last ``executor.rng.manual_seed``, and the
+    replay then starts at the op counter where building the meta model began drawing
+    (draws made after the seed call and before the build stay accounted for); with an
+    explicit ``seed`` it starts at that seed's counter 0.  Afterwards the generator
+    stands where the reference's does after building the model, so training draws
+    match too.  Tied parameters stay tied.
     Raises if some tensor is not written by the init program (a meta-device
     model has no values to fall back on).
     """
@@ -129,8 +132,13 @@ def materialize(
             raise RuntimeError("a model on the meta device is initialised from executor.rng's seed: "
                                "call executor.rng.manual_seed(seed) before building it (the same "
                                "call as in the single-device run)")
-        seed = rng.get_state()["seed"]
-    rng.manual_seed(seed)
+        # The replay starts where building the meta model began drawing, as the CPU build
+        # would have: draws made between the seed call and the build are not redone.
+        state = rng.get_state()
+        start = rng.meta_build_start()
+        rng.set_state({"seed": state["seed"], "counter": state["counter"] if start is None else start})
+    else:
+        rng.manual_seed(seed)
     target = torch.device(device)
 
     # Every (module, name) slot gets its own storage for the replay, as in the

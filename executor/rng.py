@@ -411,20 +411,31 @@ def _randint_values(seed: int, op: int, where: _Indices, low: int, high: int) ->
 class _State:
     seed: int | None = None
     counter: int = 0
+    # the op of the first draw on the meta device since the seed (or state) was set: where
+    # building a meta model began drawing, which deferred_init.materialize replays from
+    meta_start: int | None = None
 
 
 _STATE = _State()
 _LOCK = threading.Lock()
 
 
-def _next_op() -> tuple[int, int]:
+def _next_op(meta: bool = False) -> tuple[int, int]:
     """Reserve the next op counter; every random op (meta tensors too) takes one."""
     with _LOCK:
         if _STATE.seed is None:
             raise RuntimeError("executor.rng: call executor.rng.manual_seed(seed) first")
         op = _STATE.counter
         _STATE.counter += 1
+        if meta and _STATE.meta_start is None:
+            _STATE.meta_start = op
         return _STATE.seed, op
+
+
+def meta_build_start() -> int | None:
+    """The op counter at which the first random op on the meta device (building a model
+    there) drew since the last ``manual_seed`` / ``set_state``; None if none has."""
+    return _STATE.meta_start
 
 
 def manual_seed(seed: int) -> None:
@@ -442,6 +453,7 @@ def manual_seed(seed: int) -> None:
     with _LOCK:
         _STATE.seed = seed & _M64
         _STATE.counter = 0
+        _STATE.meta_start = None
     torch.manual_seed(seed & _M64)
     _install()
 
@@ -470,6 +482,7 @@ def set_state(state: dict[str, int]) -> None:
     with _LOCK:
         _STATE.seed = state["seed"] & _M64
         _STATE.counter = state["counter"]
+        _STATE.meta_start = None
     _install()
 
 
@@ -695,7 +708,7 @@ def _sample_into(
     t: torch.Tensor, sampler: Sampler, op_name: str, finish: Finish | None = None
 ) -> torch.Tensor:
     """In-place fill of ``t`` (plain, meta or DTensor) with one op's values."""
-    seed, op = _next_op()
+    seed, op = _next_op(meta=t.device.type == "meta")
     if t.device.type == "meta":
         return t
     where, local_shape = _layout(t, op_name)
@@ -715,7 +728,7 @@ def _sample_new(
     finish: Finish | None = None,
 ) -> torch.Tensor:
     """New tensor (with ``like``'s layout when given) holding one op's values."""
-    seed, op = _next_op()
+    seed, op = _next_op(meta=device.type == "meta")
     if device.type == "meta":
         return torch.empty(shape, dtype=dtype, device=device)
     if like is None:

@@ -132,10 +132,26 @@ def test_single_process_materialize_and_native_rng_independence() -> None:
     torch.manual_seed(12345)  # if any init draw used torch's generator, values would change
     model = build_model(LlamaConfig(**LLAMA), "cpu")
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    rng.manual_seed(SEED)
     meta = build_model(LlamaConfig(**LLAMA), "meta")
     materialize(meta)  # seed defaults to the last manual_seed
     assert all(torch.equal(v, expected[k]) for k, v in meta.state_dict().items())
     assert rng.get_state() == state
+
+
+def test_a_meta_model_equals_the_cpu_build_at_the_same_point_of_the_stream() -> None:
+    """Draws between the seed call and building the model: materialize replays from
+    where building the meta model began drawing, as the CPU build would have drawn (it
+    restarted at the seed, redoing the earlier draws' counters)."""
+    rng.manual_seed(SEED)
+    first = torch.rand(3)
+    cpu = build_model(LlamaConfig(**LLAMA), "cpu")
+    after_cpu = torch.rand(2)
+    rng.manual_seed(SEED)
+    assert torch.equal(torch.rand(3), first)
+    meta = materialize(build_model(LlamaConfig(**LLAMA), "meta"))
+    assert all(torch.equal(v, cpu.state_dict()[k]) for k, v in meta.state_dict().items())
+    assert torch.equal(torch.rand(2), after_cpu)
 
 
 class _DrawsInInit(nn.Module):
