@@ -100,8 +100,8 @@ class DataParallelBatch:
         given = kwargs.get("num_items_in_batch")
         if given is None and not isinstance(labels, torch.Tensor):
             return kwargs
-        if given is None:
-            given = int((labels != kwargs.get("ignore_index", -100)).sum())
+        if given is None:  # a tensor: no host-device sync at the start of every step
+            given = (labels != kwargs.get("ignore_index", -100)).sum()
         return {**kwargs, "num_items_in_batch": given / self.size}
 
     def randomness(self) -> AbstractContextManager:

@@ -441,12 +441,12 @@ class _Runner:
         # over micro-batches x data-parallel ranks, so that the mean of their losses (the
         # schedule's gradient scaling, _step_loss) is the global mean token loss however
         # unevenly -100 labels fall over them
-        self._items = 1.0
+        self._items: torch.Tensor | float = 1.0
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
              **kwargs: Any) -> CausalLMOutputWithPast:
         self._refuse(input_ids, labels, kwargs)
-        counted = int((labels[..., 1:] != -100).sum())  # ForCausalLMLoss shifts the labels
+        counted = (labels[..., 1:] != -100).sum()  # ForCausalLMLoss shifts the labels; a tensor: no sync
         self._items = counted / (self.microbatches * (self.batch.size if self.batch is not None else 1))
         if self.batch is not None:
             (), sliced = self.batch.slice((), {"input_ids": input_ids, "labels": labels})
