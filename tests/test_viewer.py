@@ -192,3 +192,22 @@ def test_static_files_are_package_data() -> None:
     deeper = [p for p in STATIC_DIR.rglob("*") if p.is_file() and len(p.relative_to(STATIC_DIR).parts) > 2]
     assert not deeper, deeper
     assert Path(STATIC_DIR / "index.html").is_file()
+
+
+def test_a_pipeline_plan_names_each_parameters_stages(served_plan: tuple[ServerProcess, str, Plan]) -> None:
+    """On the pipeline dim every parameter is whole (R), but only on its stages' ranks:
+    the table said "replicated" for every parameter there."""
+    server = served_plan[0]
+    status, body = server.post("/v1/plans", {"model": "llama-tiny", "devices": 2, "profile": PROFILE,
+                                             "batch_size": 8, "seq_len": 32, "mesh": {"pp": 2}})
+    assert status in (200, 201), body
+    plan = Plan.model_validate(body["plan"])
+    stages = [s.modules for s in plan.pipeline.stages]
+    assert stages[0][0] == "model.embed_tokens" and stages[-1][-1] == "lm_head"
+    page = Elements(render(f"{server.url}/plans/{body['id']}"))
+    pp = plan.mesh.names.index(plan.pipeline.dim)
+    cells = page.within("placement-table", cls="pl")[pp::len(plan.mesh.dims)]
+    labels = dict(zip((p.fqn for p in plan.parameters), (c["title"] for c in cells), strict=True))
+    assert labels["model.embed_tokens.weight"] == "R: whole on the ranks of stage 0 only"
+    assert labels["lm_head.weight"] == f"R: whole on the ranks of stage {len(stages) - 1} only"
+    assert labels["model.layers.*.mlp.up_proj.weight"] == f"R: whole on the ranks of stages 0–{len(stages) - 1} only"

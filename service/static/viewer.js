@@ -122,11 +122,28 @@ function meshSection(plan) {
 const dpMode = (plan, dim) => (plan.data_parallel.find((d) => d.dim === dim) || {}).mode;
 const isEmbedding = (fqn) => /(^|\.)(embed[a-z_]*|wte|wpe)\./.test(fqn);
 
+function stagesHolding(plan, fqn) {
+  // The pipeline stages whose modules hold parameter `fqn` (a pattern: `*` is one path
+  // component, so a repeated layer's entry is held by every stage with one of its layers).
+  const parts = fqn.split(".");
+  const holds = (module) => {
+    const m = module.split(".");
+    return m.length < parts.length && m.every((c, i) => parts[i] === "*" || parts[i] === c);
+  };
+  return plan.pipeline.stages.filter((st) => st.modules.some(holds)).map((st) => st.index);
+}
+
 function placementKind(placement, fqn, shape, plan, dimName) {
   // Names as torch's parallel styles use them: a Linear weight [out, in] sharded on
   // dim 0 is column-wise, on dim 1 row-wise; an Embedding [vocab, hidden] the reverse.
   // On a fully_shard data-parallel dim FSDP stores a shard whatever the logical placement.
+  // On the pipeline dim a parameter is whole (R), but only on its stages' ranks.
   if (dpMode(plan, dimName) === "fully_shard") return ["fully sharded", "pl-fsdp", "fully sharded (FSDP)"];
+  if (plan.pipeline && plan.pipeline.dim === dimName) {
+    const st = stagesHolding(plan, fqn);
+    const label = st.length === 1 ? `stage ${st[0]}` : st.length ? `stages ${st[0]}–${st[st.length - 1]}` : "no stage";
+    return [label, "pl-stage", `whole on the ranks of ${label} only`];
+  }
   if (placement === "R") return ["replicated", "pl-replicated", "replicated"];
   const d = Number(placement.slice(2, -1));
   if (shape && shape.length === 2 && d < 2) {
@@ -150,7 +167,8 @@ function placementSection(plan) {
   const dims = plan.mesh.dims;
   const legend = el("div", { class: "legend" },
     [["replicated", "pl-replicated"], ["column-sharded", "pl-column"], ["row-sharded", "pl-row"],
-      ["fully sharded", "pl-fsdp"], ["sharded (other dim)", "pl-shard"]].map(([t, c]) => el("span", { class: `pl ${c}` }, t)));
+      ["fully sharded", "pl-fsdp"], ["sharded (other dim)", "pl-shard"],
+      ...(plan.pipeline ? [["pipeline stage", "pl-stage"]] : [])].map(([t, c]) => el("span", { class: `pl ${c}` }, t)));
   const rows = plan.parameters.map((p) => {
     const shape = plan.fingerprint.params[p.fqn];
     const count = plan.fingerprint.counts[p.fqn];
