@@ -54,6 +54,7 @@ from torch.distributed.tensor.experimental import implicit_replication, register
 from torch.utils._pytree import SUPPORTED_NODES, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from cost_model.profile import problem_lines
 from executor import deferred_init, local_regions, loss, outputs, pipeline, rng
 from executor.data import DataParallelBatch
 from planner.schema import Fingerprint, MeshRoles, ModuleLayout, Plan, pattern_matches, shard_dim
@@ -102,9 +103,7 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     try:  # a plan changed in Python since it was read (pydantic checks only on construction)
         plan = Plan.model_validate(plan.model_dump())
     except ValidationError as e:
-        raise PlanError("plan is invalid:\n  " + "\n  ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'plan'}: {err['msg'].removeprefix('Value error, ')}"
-            for err in e.errors(include_url=False))) from None
+        raise PlanError("plan is invalid:\n  " + "\n  ".join(f"plan: {line}" for line in problem_lines(e))) from None
     if mesh is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Launched by torchrun (or any launcher that sets the env:// variables) and not
         # initialised yet: the training loop stays free of distributed set-up.  torch's

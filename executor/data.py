@@ -94,15 +94,10 @@ class DataParallelBatch:
         it each rank divides by its own count, and the mean of those means is the
         global mean only when every slice counts as many tokens (padding or
         ``ignore_index`` spread unevenly over the slices makes them differ)."""
-        labels = kwargs.get("shift_labels")
-        if labels is None and isinstance(kwargs.get("labels"), torch.Tensor):
-            labels = kwargs["labels"][..., 1:]  # ForCausalLMLoss's shift: the last label predicts nothing
         given = kwargs.get("num_items_in_batch")
-        if given is None and not isinstance(labels, torch.Tensor):
-            return kwargs
-        if given is None:  # a tensor: no host-device sync at the start of every step
-            given = (labels != kwargs.get("ignore_index", -100)).sum()
-        return {**kwargs, "num_items_in_batch": given / self.size}
+        if given is None:
+            given = counted_tokens(kwargs)
+        return kwargs if given is None else {**kwargs, "num_items_in_batch": given / self.size}
 
     def randomness(self) -> AbstractContextManager:
         """Active around the forward (and any recomputation of it): slice-aware dropout."""
@@ -115,6 +110,19 @@ class DataParallelBatch:
         if t.dim() > 0 and t.shape[0] == self._local_batch:
             return _GatherBatch.apply(t, self.groups, self.size, self.index)
         return t
+
+
+def counted_tokens(kwargs: dict) -> torch.Tensor | None:
+    """How many tokens a Hugging Face causal LM's loss counts for the ``labels=`` (or
+    ``shift_labels=``) among ``kwargs``: those not ``ignore_index``, after its shift (the
+    last label predicts nothing).  A tensor: no host-device sync at the start of every
+    step.  None without labels."""
+    labels = kwargs.get("shift_labels")
+    if labels is None and isinstance(kwargs.get("labels"), torch.Tensor):
+        labels = kwargs["labels"][..., 1:]
+    if not isinstance(labels, torch.Tensor):
+        return None
+    return (labels != kwargs.get("ignore_index", -100)).sum()
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -55,7 +55,7 @@ from torch.func import functional_call
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from executor import loss, rng
-from executor.data import BatchError, DataParallelBatch
+from executor.data import BatchError, DataParallelBatch, counted_tokens
 from planner.schema import Plan
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -446,8 +446,8 @@ class _Runner:
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
              **kwargs: Any) -> CausalLMOutputWithPast:
         self._refuse(input_ids, labels, kwargs)
-        counted = (labels[..., 1:] != -100).sum()  # ForCausalLMLoss shifts the labels; a tensor: no sync
-        self._items = counted / (self.microbatches * (self.batch.size if self.batch is not None else 1))
+        self._items = counted_tokens({"labels": labels}) / (
+            self.microbatches * (self.batch.size if self.batch is not None else 1))
         if self.batch is not None:
             (), sliced = self.batch.slice((), {"input_ids": input_ids, "labels": labels})
             x, y, size, index = sliced["input_ids"], sliced["labels"], self.batch.size, self.batch.index
