@@ -8,6 +8,7 @@ stay fast while many plans are being solved.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -158,17 +159,22 @@ def _shipped_profile(name: str) -> Profile:
     return load_profile(name)
 
 
-def _check_profile(profile: str | dict[str, Any]) -> None:
+def _check_profile(profile: str | dict[str, Any]) -> str:
     """A profile the planner can use, checked in the server process (pydantic, no torch):
     a shipped name, or an inline profile that validates and does not pass itself off as
-    a shipped one.  A plan records and lists its profile by name only, so an inline
-    "h100-sxm-80g" with other numbers would be indistinguishable from the real one."""
+    a shipped one.  Returns the label the plan list shows for it.
+
+    A plan records its profile by name only, so an inline "h100-sxm-80g" with other
+    numbers would be indistinguishable from the real one (refused), and two teams' inline
+    "cluster" profiles from each other: an inline profile is listed as ``name (inline
+    <first 8 hex digits of the SHA-256 of its validated JSON>)``, unless it is a shipped
+    profile's exact copy."""
     shipped = _shipped_profiles()
     if isinstance(profile, str):
         if profile not in shipped:
             raise HTTPException(422, f"profile: {profile!r} is not a shipped profile "
                                      f"({', '.join(shipped)}); or send the profile inline")
-        return
+        return profile
     try:
         inline = Profile.model_validate(profile)
     except ValidationError as e:
@@ -176,6 +182,10 @@ def _check_profile(profile: str | dict[str, Any]) -> None:
     if inline.name in shipped and inline != _shipped_profile(inline.name):
         raise HTTPException(422, f"profile.name: {inline.name!r} is a shipped profile's name, but the "
                                  "numbers differ from it; give the inline profile a name of its own")
+    if inline.name in shipped:
+        return inline.name
+    digest = hashlib.sha256(inline.model_dump_json().encode()).hexdigest()[:8]
+    return f"{inline.name} (inline {digest})"
 
 
 async def _json_body(request: Request) -> None:
@@ -252,7 +262,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
     async def _failed(_request: Request, exc: PlannerFailed) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=500)
 
-    async def solve(request: PlanRequest, key: str) -> StoredPlan:
+    async def solve(request: PlanRequest, key: str, profile_label: str) -> StoredPlan:
         limit = request.time_limit_s
         assert limit is not None, "with_defaults fills it"
         kwargs = {"model": request.planner_model(), "devices": request.devices,
@@ -268,7 +278,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
             raise HTTPException(503, str(e), headers={"Retry-After": "10"}) from None
         except PlanningTimeout as e:
             raise HTTPException(504, str(e)) from None
-        return await run_in_threadpool(store.put, key, request.model_dump_json(), plan)
+        return await run_in_threadpool(store.put, key, request.model_dump_json(), plan, profile_label)
 
     @app.post("/v1/plans", status_code=201, response_model=PlanResponse, responses={
         200: {"model": PlanResponse, "description": "an identical request was planned before"},
@@ -276,7 +286,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
         **_ERRORS}, dependencies=[Depends(_json_body)])
     async def create_plan(request: PlanRequest) -> Response:
         """Plan a model on a cluster; the same request again returns the stored plan (200)."""
-        _check_profile(request.profile)
+        profile_label = _check_profile(request.profile)
         if request.batch_size is None or request.seq_len is None:
             try:  # builds the model's config: off the event loop
                 request = await run_in_threadpool(request.with_defaults, default_time_limit_s)
@@ -293,7 +303,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
         row = store.get_by_key(key)
         cached = row is not None
         if row is None:
-            row = await flights.run(key, lambda: solve(request, key))
+            row = await flights.run(key, lambda: solve(request, key, profile_label))
         return _plan_response(row, 200 if cached else 201, cached)
 
     @app.get("/v1/plans", response_model=PlanList)

@@ -259,6 +259,20 @@ def test_an_inline_copy_of_a_shipped_profile_is_that_profile(server: ServerProce
     assert row["profile"] == PROFILE
 
 
+def test_inline_profiles_of_one_name_are_listed_apart(server: ServerProcess) -> None:
+    """Two teams' inline "team-cluster" profiles with different numbers: two plans, and the
+    list tells them apart (each labelled with a digest of its numbers)."""
+    labels = []
+    for all_reduce in (1e9, 2e9):
+        status, body = server.post("/v1/plans", {**TINY, "batch_size": 2,
+                                                 "profile": _inline_profile("team-cluster", all_reduce)})
+        assert status in (200, 201), body
+        assert body["plan"]["profile"] == "team-cluster"
+        labels.append(next(p for p in server.get("/v1/plans")["plans"] if p["id"] == body["id"])["profile"])
+    assert all(label.startswith("team-cluster (inline ") for label in labels), labels
+    assert labels[0] != labels[1]
+
+
 def _raw_post(server: ServerProcess, head: str, body: bytes = b"") -> str:
     """Status line of a hand-made request (urllib cannot send a lying Content-Length)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
