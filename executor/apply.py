@@ -147,10 +147,13 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
 
 # -- checks ------------------------------------------------------------------------------
 
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
 def _draws_dropout(model: nn.Module) -> bool:
     """Dropout modules with p > 0, or a Hugging Face config's dropout probabilities
     (attention dropout is a config value its forward reads, not a module)."""
-    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+    if any(isinstance(m, _DROPOUTS) and m.p > 0 for m in model.modules()):
         return True
     config = getattr(model, "config", None)
     fields = config.to_dict() if hasattr(config, "to_dict") else {}
