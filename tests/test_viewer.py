@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -211,3 +212,41 @@ def test_a_pipeline_plan_names_each_parameters_stages(served_plan: tuple[ServerP
     assert labels["model.embed_tokens.weight"] == "R: whole on the ranks of stage 0 only"
     assert labels["lm_head.weight"] == f"R: whole on the ranks of stage {len(stages) - 1} only"
     assert labels["model.layers.*.mlp.up_proj.weight"] == f"R: whole on the ranks of stages 0–{len(stages) - 1} only"
+
+
+def _open_file(tmp_path: Path, name: str, text: str) -> Elements:
+    """The page after opening a file named ``name`` holding ``text`` with its file picker
+    (what the picker's change handler runs; headless Chromium cannot pick a file)."""
+    harness = tmp_path / "open.html"
+    harness.write_text(
+        '<!doctype html><html><body><input type="file" id="open-file"><main id="main"></main>'
+        f'<script src="{(STATIC_DIR / "vendor" / "json-formatter.umd.js").as_uri()}"></script>'
+        f'<script src="{(STATIC_DIR / "viewer.js").as_uri()}"></script>'
+        # after the page's own routing, which finds no server behind a file:// page
+        f"<script>setTimeout(() => openPlanText({json.dumps(name)}, {json.dumps(text)}), 1000);</script>"
+        "</body></html>")
+    return Elements(render(harness.as_uri()))
+
+
+def test_opening_a_file_draws_a_plan_or_names_what_is_wrong(
+        served_plan: tuple[ServerProcess, str, Plan], tmp_path: Path) -> None:
+    server, plan_id, _ = served_plan
+    answer = server.get(f"/v1/plans/{plan_id}")
+    # a plan file, and the API's answer saved as is (which names the plan's id)
+    for data, source in ((answer["plan"], "local file"), (answer, plan_id)):
+        page = _open_file(tmp_path, "plan.json", json.dumps(data))
+        assert not page.within("main", cls="error"), " ".join(page.text)
+        assert page.within("mesh-grid", cls="rank") and source in page.text
+
+    def error(name: str, text: str) -> str:
+        page = _open_file(tmp_path, name, text)
+        assert page.within("main", tag="p", cls="error"), " ".join(page.text)
+        return next(t for t in page.text if t.startswith(f"{name}: "))
+
+    profile = server.get(f"/v1/profiles/{PROFILE}")
+    assert error("profile.json", json.dumps(profile)).startswith(
+        'profile.json: not a meshplan plan: no "schema_version", "model", "profile", "devices"')
+    assert error("list.json", "[1, 2]") == "list.json: not a meshplan plan: the file holds no JSON object"
+    future = {**answer["plan"], "schema_version": "2.0"}
+    assert error("new.json", json.dumps(future)) == (
+        'new.json: schema_version: "2.0"; this viewer reads plans of schema 1.0')

@@ -312,16 +312,45 @@ async function route() {
   }
 }
 
-document.getElementById("open-file").addEventListener("change", async (ev) => {
-  const main = document.getElementById("main");
-  const file = ev.target.files[0];
-  if (!file) return;
-  try {
-    const data = JSON.parse(await file.text());
-    showPlan(main, data.plan || data, data.id);
-  } catch (e) {
-    main.replaceChildren(el("p", { class: "error", id: "error" }, `${file.name}: ${e.message}`));
+// A file opened from disk is a plan (`meshplan plan -o`, this page's download) or an
+// answer of POST / GET /v1/plans ({"id", "plan"}); anything else gets a message naming
+// what is missing (drawing it would fail on the first absent field, with the browser's
+// "Cannot read properties of undefined").
+const SCHEMA_VERSION = "1.0";
+const PLAN_FIELDS = ["schema_version", "model", "profile", "devices", "batch_size", "seq_len", "mesh",
+  "parameters", "prediction", "fingerprint", "solver"];
+
+function planOfFile(data) {
+  const isObject = (v) => v !== null && typeof v === "object" && !Array.isArray(v);
+  const plan = isObject(data) && isObject(data.plan) ? data.plan : data;
+  if (!isObject(plan)) throw new Error("not a meshplan plan: the file holds no JSON object");
+  const missing = PLAN_FIELDS.filter((k) => !(k in plan));
+  if (missing.length) {
+    throw new Error(`not a meshplan plan: no ${missing.map((k) => JSON.stringify(k)).join(", ")} ` +
+      "(open a plan written by `meshplan plan -o` or downloaded from this page)");
   }
+  if (plan.schema_version !== SCHEMA_VERSION) {
+    throw new Error(`schema_version: ${JSON.stringify(plan.schema_version)}; this viewer reads plans of ` +
+      `schema ${SCHEMA_VERSION}`);
+  }
+  return plan;
+}
+
+// Draws the plan in `text` (a file's contents), or an error naming the file.
+function openPlanText(name, text) {
+  const main = document.getElementById("main");
+  try {
+    const data = JSON.parse(text);
+    const plan = planOfFile(data);
+    showPlan(main, plan, plan === data ? undefined : data.id);
+  } catch (e) {
+    main.replaceChildren(el("p", { class: "error", id: "error" }, `${name}: ${e.message}`));
+  }
+}
+
+document.getElementById("open-file").addEventListener("change", async (ev) => {
+  const file = ev.target.files[0];
+  if (file) openPlanText(file.name, await file.text());
 });
 
 route();
