@@ -226,6 +226,18 @@ def load_config(source: str | Path | Mapping[str, Any] | PretrainedConfig) -> Pr
     return config
 
 
+DEFAULT_SEQ_LEN_CAP = 4096
+
+
+def default_seq_len(source: Any) -> int:
+    """The sequence length used where none is given (plan, estimate, trace, the service):
+    the model's maximum positions, capped at ``DEFAULT_SEQ_LEN_CAP``; the cap for a
+    module without a config."""
+    config = getattr(source, "config", None) if isinstance(source, nn.Module) else load_config(source)
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return min(DEFAULT_SEQ_LEN_CAP, max_pos or DEFAULT_SEQ_LEN_CAP)
+
+
 def model_name(source: Any) -> str:
     """What a plan records as ``model``."""
     if isinstance(source, nn.Module):

@@ -45,7 +45,7 @@ from planner.pipeline import (
     schedule_blocker,
     stage_modules,
 )
-from planner.presets import load_config
+from planner.presets import default_seq_len, load_config
 from planner.schema import (
     Alternative,
     DataParallelDim,
@@ -515,20 +515,13 @@ ELEMENTWISE = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "silu", "gelu"
                "new_ones", "ones_like", "zeros_like", "empty_like", "clamp", "abs", "sqrt"}
 
 
-DEFAULT_SEQ_LEN_CAP = 4096
-
-
 def default_shape(model: Any, devices: int, batch_size: int | None = None,
                   seq_len: int | None = None) -> tuple[int, int]:
     """(batch_size, seq_len) with the defaults filled in: one sequence per device
-    (divisible by any data-parallel degree) and the model's context capped at 4096.
-    The service and the CLI fill their defaults here too, so all agree."""
-    if seq_len is None:
-        config = None if hasattr(model, "named_parameters") else load_config(model)
-        max_pos = (getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-                   if config is not None else None)
-        seq_len = min(DEFAULT_SEQ_LEN_CAP, max_pos or DEFAULT_SEQ_LEN_CAP)
-    return (devices if batch_size is None else batch_size), seq_len
+    (divisible by any data-parallel degree) and ``default_seq_len``.  The service and
+    the CLI fill their defaults here too, so all agree."""
+    return (devices if batch_size is None else batch_size), (
+        default_seq_len(model) if seq_len is None else seq_len)
 
 
 def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,

@@ -56,7 +56,7 @@ import torch
 from torch import fx, nn
 from transformers import PretrainedConfig
 
-from planner.presets import ConfigError, build_model, load_config, model_name
+from planner.presets import ConfigError, build_model, default_seq_len, load_config, model_name
 
 TRACED_LAYERS = 2
 _LAYER_RE = re.compile(r"^(?P<prefix>.*?\.(?:layers|h))\.(?P<idx>\d+)(?:\.|$)")
@@ -374,12 +374,13 @@ def layer_signature(graph: nx.DiGraph, layer: int, prefix: str) -> tuple:
 
 
 def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_size: int = 1,
-          seq_len: int = 2048, dtype: torch.dtype = torch.float32) -> nx.DiGraph:
+          seq_len: int | None = None, dtype: torch.dtype = torch.float32) -> nx.DiGraph:
     """Trace ``model`` (preset, config.json path, HF config dict/object, or nn.Module),
     built in ``dtype`` (a module as it is): the training dtype, so the graph shows which
-    ops run in fp32 anyway (Hugging Face's norms and loss upcast)."""
+    ops run in fp32 anyway (Hugging Face's norms and loss upcast).  ``seq_len``
+    defaults as everywhere (``presets.default_seq_len``)."""
     with _executor_rng_suspended():
-        return _trace(model, batch_size, seq_len, dtype)
+        return _trace(model, batch_size, default_seq_len(model) if seq_len is None else seq_len, dtype)
 
 
 def _executor_rng_suspended() -> AbstractContextManager:

@@ -26,8 +26,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from planner.presets import PRESETS
-from planner.search import DEFAULT_SEQ_LEN_CAP, default_shape
+from planner.presets import DEFAULT_SEQ_LEN_CAP, PRESETS
+from planner.search import default_shape
 from service.limits import MAX_HF_CONFIG_DEPTH, BatchSize, Devices, MeshShape, SeqLen, TimeLimit
 
 # The error type of a problem inside an inline JSON value.  Its ctx names the path below

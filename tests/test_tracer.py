@@ -155,3 +155,10 @@ def test_seq_len_beyond_positions():
         trace("gpt2-tiny", 1, 4096)
     with pytest.raises(ConfigError, match="batch_size"):
         trace("gpt2-tiny", 0, 16)
+
+
+def test_trace_defaults_seq_len_as_plan_does():
+    """The SPEC's ``planner.trace(preset)`` with no length: the model's positions capped at
+    4096, as plan / estimate / the service default (was a fixed 2048, over llama-tiny's 128)."""
+    g = trace("llama-tiny")
+    assert g.graph["seq_len"] == load_config("llama-tiny").max_position_embeddings == 128
