@@ -838,11 +838,27 @@ def calibrate(
         raise ValueError(f"world_sizes: every group size must divide the largest, got {sizes}")
     progress(f"{ranks} gloo processes, 1 thread each: collectives in groups of {sizes} "
              f"({len(message_sizes)} sizes), then GEMMs, copies and op dispatch in every rank at once ...")
+    _note_other_load(progress, "before measuring", own=0)
     profile = profile_from_job(Path(output).stem, measure_ranks(ranks, sizes, message_sizes, progress),
                                message_sizes, progress)
+    _note_other_load(progress, "at the end", own=ranks)
     Path(output).write_text(profile.model_dump_json(indent=2) + "\n")
     progress(f"wrote {output}")
     return profile
+
+
+def _note_other_load(progress: Callable[[str], None], when: str, own: int) -> None:
+    """Say so when other work shares the cores: the ranks measure what they get of the
+    machine, so a profile calibrated beside another job describes that share (seen here:
+    overlap_exposure 0.00 and DTensor dispatch 10x the idle figure).  ``own``: the load
+    this job's ranks add themselves."""
+    cpus = os.cpu_count() or 1
+    load = os.getloadavg()[0]
+    if load > own + cpus / 2:
+        progress(f"note: load average {load:.1f} on {cpus} cores {when}"
+                 + (f" ({own} of it this job's ranks)" if own else "")
+                 + ": other work is running, and the profile measures the share of the machine it "
+                 "leaves; calibrate an otherwise idle machine to describe the machine itself")
 
 
 def profile_from_job(
