@@ -6,7 +6,12 @@ tensor-parallel DTensors, FSDP2), keyed by parameter FQN, which ``apply`` never 
 (a pipeline rank holds its stages' parameters under their original FQNs, so a checkpoint
 saved with pp=2 loads with pp=1 and the other way round).
 ``get_state_dict``/``set_state_dict`` give model and optimizer state in that FQN-keyed
-form.  Alongside goes a small JSON record (step, ``executor.rng`` state, world size).
+form, the optimizer's flattened (``flatten_optimizer_state_dict``): each parameter's
+state and hyperparameters under its own FQN.  Unflattened, a parameter group is one
+entry holding the list of its parameters' names, which differs between pipeline ranks;
+DCP keeps one rank's copy of such an entry, and a resumed pipeline rank then found no
+hyperparameters for its parameters.  Alongside goes a small JSON record (step,
+``executor.rng`` state, world size).
 
 A save is atomic: ranks write into ``<path>.incomplete``, and only after all of them
 have finished does rank 0 write the record and rename the directory to ``<path>``.  A
@@ -25,13 +30,13 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
 from executor import rng
 
 RECORD = "meshplan-checkpoint.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: the optimizer state unflattened (still read)
 
 
 class CheckpointError(RuntimeError):
@@ -46,7 +51,8 @@ def save(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     if _rank() == 0 and staging.exists():
         shutil.rmtree(staging)  # debris of an earlier interrupted save
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [],
+                                        options=_options(FORMAT_VERSION))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging),
              no_dist=not dist.is_initialized())
     _barrier()  # every rank's shards are on disk
@@ -77,36 +83,51 @@ def load(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     record = _read_record(Path(path))
     if optimizer is not None and not record["optimizer"]:
         raise CheckpointError(f"optimizer: {path} was saved without optimizer state")
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    options = _options(record["format"])
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
     _check_model(Path(path), model_sd)
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optim"] = optim_sd
     dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer if optimizer is not None else [],
-                   model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+                   model_state_dict=state["model"], optim_state_dict=state.get("optim", {}), options=options)
     if record["rng"] is not None:
         rng.set_state(record["rng"])
     return record["step"]
 
 
+def _options(version: int) -> StateDictOptions:
+    return StateDictOptions(flatten_optimizer_state_dict=version >= 2)
+
+
 def _check_model(path: Path, model_sd: dict[str, Any]) -> None:
-    """The checkpoint's parameters against the model's, by FQN and global shape, from DCP's
-    metadata: DCP's own error for a mismatch is a multi-rank traceback in a
+    """The checkpoint's model state against the model's, by FQN and global shape, from
+    DCP's metadata: DCP's own error for a mismatch is a multi-rank traceback in a
     BaseException (``CheckpointException``), which ``except Exception`` does not catch.
-    Parameters the checkpoint has and the model lacks are fine: a pipeline rank loads
-    its stages' only."""
+
+    A pipeline rank holds its stages' entries only, so the ranks pool what they hold
+    (collective): every rank then judges the whole model and raises the same error (a
+    rank that raised alone would leave the others in DCP's collectives)."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     prefix = "model."  # the state saved is {"model": ..., "optim": ...}, flattened
+    held = {fqn: tuple(v.shape) if hasattr(v, "shape") else None for fqn, v in model_sd.items()}
+    if dist.is_initialized():
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, held)
+        held = {fqn: shape for rank in every for fqn, shape in rank.items()}
     problems = []
-    for fqn, value in model_sd.items():
+    for fqn, shape in sorted(held.items()):
         meta = saved.get(prefix + fqn)
         if meta is None:
             problems.append(f"{fqn}: in the model, not in the checkpoint")
-        elif hasattr(meta, "size") and hasattr(value, "shape") and tuple(meta.size) != tuple(value.shape):
-            problems.append(f"{fqn}: checkpoint shape {list(meta.size)}, model shape {list(value.shape)}")
+        elif hasattr(meta, "size") and shape is not None and tuple(meta.size) != shape:
+            problems.append(f"{fqn}: checkpoint shape {list(meta.size)}, model shape {list(shape)}")
+    problems += [f"{key[len(prefix):]}: in the checkpoint, not in the model"
+                 for key in sorted(saved) if key.startswith(prefix) and key[len(prefix):] not in held]
     if problems:
-        raise CheckpointError(f"model: {path} does not fit the model:\n  " + "\n  ".join(problems))
+        raise CheckpointError(f"model: {path} does not fit the model ({len(problems)} problem(s)):\n  "
+                              + "\n  ".join(problems))
 
 
 def _read_record(path: Path) -> dict[str, Any]:

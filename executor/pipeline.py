@@ -208,21 +208,27 @@ def _dry_run(model: nn.Module, stages: list[list[str]]) -> tuple[Cuts | None, li
     shapes only, nothing computed or allocated; Hugging Face's data-dependent checks
     recognise fake tensors and stand aside, and executor.rng counts meta draws without
     computing them) over a two-token batch: the count of random ops does not depend on
-    the shape.  The rng counter is put back afterwards."""
-    state = rng.get_state() if rng.is_active() else None
+    the shape.  It runs in training mode, the only mode a pipelined step runs in,
+    whatever mode the model is in now (``from_pretrained`` returns it in eval mode,
+    where dropout draws nothing).  The rng state is put back afterwards, with where a
+    meta build began drawing (``materialize`` replays from there after this)."""
+    active = rng.is_active()
     seen: dict[tuple[str, int], Any] = {}
+    order: list[tuple[str, int]] = []  # stage starts and ends in the order the forward runs them
 
     def counter() -> int:
-        return rng.get_state()["counter"] if state is not None else 0
+        return rng.get_state()["counter"] if active else 0
 
     def at_start(s: int) -> Callable[..., None]:
         def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
             seen.setdefault(("start", s), (counter(), _main_input(args, kwargs)))
+            order.append(("start", s))
         return hook
 
     def at_end(s: int) -> Callable[..., None]:
         def hook(mod: nn.Module, args: tuple, out: Any) -> None:
             seen[("end", s)] = counter()
+            order.append(("end", s))
         return hook
 
     handles = []
@@ -232,22 +238,34 @@ def _dry_run(model: nn.Module, stages: list[list[str]]) -> tuple[Cuts | None, li
     fake = FakeTensorMode()
     tensors = {n: fake.from_tensor(torch.empty_like(t, device="meta"))
                for n, t in (*model.named_parameters(), *model.named_buffers())}
+    modes = {m: m.training for m in model.modules()}
     try:
-        if state is not None:
-            rng.set_state({"seed": state["seed"], "counter": 0})
-        with fake, torch.no_grad():
-            ids = torch.zeros(1, 2, dtype=torch.long, device="meta")
-            out = functional_call(model, tensors, (), {"input_ids": ids, "use_cache": False}, strict=False)
-        total = counter()
+        model.train()
+        with rng.preserved():
+            if active:
+                rng.set_state({"seed": rng.get_state()["seed"], "counter": 0})
+            with fake, torch.no_grad():
+                ids = torch.zeros(1, 2, dtype=torch.long, device="meta")
+                out = functional_call(model, tensors, (), {"input_ids": ids, "use_cache": False}, strict=False)
+            total = counter()
     finally:
         for h in handles:
             h.remove()
-        if state is not None:
-            rng.set_state(state)
+        for m, training in modes.items():
+            m.training = training
     problems = [f"pipeline.stages[{s}].modules: {stages[s][0 if end == 'start' else -1]} does not run in the "
                 "model's forward" for s in range(len(stages)) for end in ("start", "end") if (end, s) not in seen]
     if problems:
         return None, problems
+    # the forward must run stage 0's modules, then stage 1's, ...: a stage's first module
+    # starts after the stage before it has finished (its last module's last run)
+    first_start = {s: order.index(("start", s)) for s in range(len(stages))}
+    last_end = {s: len(order) - 1 - order[::-1].index(("end", s)) for s in range(len(stages))}
+    for s in range(1, len(stages)):
+        if first_start[s] < last_end[s - 1]:
+            return None, [f"pipeline.stages: the model's forward runs {stages[s][0]} (stage {s}) before "
+                          f"{stages[s - 1][-1]} (stage {s - 1}) has finished; each stage must hold a run of "
+                          "modules that comes after the stage before it, in the forward's order"]
     starts = [seen[("start", s)][0] for s in range(len(stages))]
     ends = [seen[("end", s)] for s in range(len(stages))]
     for s in range(len(stages)):
@@ -438,16 +456,21 @@ class _Runner:
         self._base = 0  # the rng counter at the start of the step
         self._rows = (0, 1, 1)  # first row of micro-batch 0 in the global batch, rows per micro-batch, total
         # num_items_in_batch of each micro-batch's loss: the global batch's counted tokens
-        # over micro-batches x data-parallel ranks, so that the mean of their losses (the
-        # schedule's gradient scaling, _step_loss) is the global mean token loss however
+        # over data-parallel ranks, so that the sum of a rank's micro-batch losses (their
+        # gradients add up: the schedule does not rescale them) and the mean over ranks
+        # (FSDP2's gradient reduction, _step_loss) is the global mean token loss however
         # unevenly -100 labels fall over them
         self._items: torch.Tensor | float = 1.0
+        self._params = list({id(p): p for r in replicas.values() for p in r.parameters()}.values())
+        # the gradients held before this step's (accumulated by earlier calls), kept until
+        # the step's loss.backward() says by how much to scale this step's (_StepLoss)
+        self._earlier: list[torch.Tensor | None] = []
+        self._steps = 0
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
              **kwargs: Any) -> CausalLMOutputWithPast:
         self._refuse(input_ids, labels, kwargs)
-        self._items = counted_tokens({"labels": labels}) / (
-            self.microbatches * (self.batch.size if self.batch is not None else 1))
+        self._items = counted_tokens({"labels": labels}) / (self.batch.size if self.batch is not None else 1)
         if self.batch is not None:
             (), sliced = self.batch.slice((), {"input_ids": input_ids, "labels": labels})
             x, y, size, index = sliced["input_ids"], sliced["labels"], self.batch.size, self.batch.index
@@ -466,10 +489,35 @@ class _Runner:
         self._base = state["counter"] if state is not None else 0
         losses: list[torch.Tensor] = []
         first, last = 0 in self.replicas, len(self.cuts.stages) - 1 in self.replicas
+        self._earlier = [p.grad for p in self._params]  # gradient accumulation: this step's apart
+        for p in self._params:
+            p.grad = None
         schedule.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}))
+        for p, earlier in zip(self._params, self._earlier, strict=True):
+            if earlier is not None:
+                p.grad = earlier if p.grad is None else p.grad + earlier
         if state is not None:  # every rank ends where one device's step ends
             rng.set_state({"seed": state["seed"], "counter": self._base + self.cuts.draws})
-        return CausalLMOutputWithPast(loss=self._step_loss(losses, size))
+        self._steps += 1
+        value = self._step_loss(losses, size).requires_grad_()
+        return CausalLMOutputWithPast(loss=_StepLoss.apply(value, self, self._steps))
+
+    def rescale(self, scale: torch.Tensor, step: int) -> None:
+        """This step's loss.backward() with gradient ``scale`` (``(loss / k).backward()`` in
+        a gradient-accumulation loop): its gradients, computed for scale 1, scaled so
+        that the held ones are earlier + scale * this step's, as on one device."""
+        if step != self._steps:
+            raise PipelineError("loss.backward(): under a pipeline plan the forward already ran the "
+                                "step's backward; only the latest step's loss can scale its gradients")
+        with torch.no_grad():
+            for p, earlier in zip(self._params, self._earlier, strict=True):
+                if p.grad is None:
+                    continue
+                held = _local(p.grad)
+                held.mul_(scale)
+                if earlier is not None:  # total = earlier + this: earlier + scale * this
+                    held.add_(_local(earlier) * (1 - scale))
+        self._earlier = []
 
     def _refuse(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None, kwargs: dict) -> None:
         if input_ids is None or labels is None:
@@ -484,6 +532,10 @@ class _Runner:
                                 "takes input_ids= and labels= only")
         if not torch.is_grad_enabled():
             raise PipelineError("torch.no_grad: a pipelined forward runs backward too; call it with grad enabled")
+        if not self.model.training:
+            raise PipelineError("model.eval(): under a pipeline plan the forward runs a training step (its "
+                                "backward too), so evaluation is not supported; call model.train(), and "
+                                "evaluate a checkpoint (executor.save) loaded under a plan without pipeline stages")
 
     def _schedule(self, mb: int, seq: int) -> Any:
         """The schedule for micro-batches of ``mb`` x ``seq`` tokens (stages are static-shaped)."""
@@ -499,7 +551,7 @@ class _Runner:
                                  output_args=(after.meta(mb, seq),), group=self.group))
         cls = _SCHEDULES[self.schedule_name]
         schedule = cls(stages if cls is ScheduleInterleaved1F1B else stages[0], self.microbatches,
-                       loss_fn=self.loss_fn, scale_grads=True)
+                       loss_fn=self.loss_fn, scale_grads=False)
         self._built = ((mb, seq), schedule)
         return schedule
 
@@ -514,15 +566,36 @@ class _Runner:
             yield
 
     def _step_loss(self, losses: list[torch.Tensor], dp_size: int) -> torch.Tensor:
-        """The mean micro-batch loss of the last stage, on every rank, averaged over data parallel.
-
-        The returned tensor is a leaf: the step's backward already ran, so ``loss.backward()``
-        in an unchanged loop does nothing."""
-        value = torch.stack([t.detach() for t in losses]).mean() if losses else torch.zeros((), device=self.device)
+        """The sum of the last stage's micro-batch losses (each over the global token count
+        / dp), on every rank, averaged over data parallel: the global mean token loss."""
+        value = torch.stack([t.detach() for t in losses]).sum() if losses else torch.zeros((), device=self.device)
         value = value.to(self.device, torch.float32)
         dist.all_reduce(value, group=self.group)  # only the last stage's rank adds a non-zero
         if self.batch is not None:
             for g in self.batch.groups:
                 dist.all_reduce(value, group=g)  # SUM: gloo has no AVG
             value = value / dp_size
-        return value.requires_grad_()
+        return value
+
+
+class _StepLoss(torch.autograd.Function):
+    """The step's loss as the loop sees it: its backward does not differentiate anything
+    (the schedule already ran the step's backward) but scales the step's gradients by the
+    gradient it receives, 1 for ``loss.backward()``, 1/k for ``(loss / k).backward()``."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, runner: _Runner, step: int) -> torch.Tensor:
+        ctx.runner, ctx.step = runner, step
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.runner.rescale(grad, ctx.step)
+        return None, None, None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this rank's values, to update in place under ``no_grad`` (a
+    DTensor's local shard itself there: scaling it scales the DTensor whatever its
+    placements)."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -486,6 +486,21 @@ def set_state(state: dict[str, int]) -> None:
     _install()
 
 
+@contextmanager
+def preserved() -> Iterator[None]:
+    """Run the body, then put the whole state back: seed, counter and where building a
+    meta model began drawing.  For executor internals that run the model's random ops
+    to count them (a pipeline's dry run inside ``apply``, before ``materialize`` replays
+    the build): ``set_state`` alone would forget the meta build's start."""
+    with _LOCK:
+        saved = _State(_STATE.seed, _STATE.counter, _STATE.meta_start)
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _STATE.seed, _STATE.counter, _STATE.meta_start = saved.seed, saved.counter, saved.meta_start
+
+
 def checkpoint_context_fn() -> tuple[Any, Any]:
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
 

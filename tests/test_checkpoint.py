@@ -148,13 +148,15 @@ def test_save_replaces_an_older_checkpoint_and_clears_debris(tmp_path: Path) -> 
 
 
 def test_a_checkpoint_of_another_model_is_refused_by_name(runs: dict) -> None:
-    """The 4-rank FSDP + TP checkpoint loaded into a wider or deeper Llama: DCP's own error
-    is a multi-rank traceback in a BaseException that ``except Exception`` misses."""
+    """The 4-rank FSDP + TP checkpoint loaded into a wider, deeper or shallower Llama: DCP's
+    own error is a multi-rank traceback in a BaseException that ``except Exception`` misses."""
     path = Path(runs["root"]) / "ckpt"
     for change, expected in (({"hidden_size": 64, "intermediate_size": 128},
                               "model.embed_tokens.weight: checkpoint shape [128, 32], model shape [128, 64]"),
                              ({"num_hidden_layers": 3},
-                              "model.layers.2.mlp.up_proj.weight: in the model, not in the checkpoint")):
+                              "model.layers.2.mlp.up_proj.weight: in the model, not in the checkpoint"),
+                             ({"num_hidden_layers": 1},  # was loaded, its layer 1 ignored
+                              "model.layers.1.mlp.up_proj.weight: in the checkpoint, not in the model")):
         config = {**PRESETS["llama-tiny"], **change}
         model = build_model(load_config(config), device="cpu")
         with pytest.raises(CheckpointError, match="does not fit the model") as e:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import executor
 import planner
+from executor import pipeline
 from executor.pipeline import PipelineError
 from planner.presets import PRESETS, build_model, load_config
 from planner.schema import Plan
@@ -32,8 +33,8 @@ SEED = 1234
 CONFIG = {**PRESETS["llama-tiny"], "num_hidden_layers": 4, "attention_dropout": 0.1}
 
 
-def build() -> nn.Module:
-    return build_model(load_config(CONFIG), device="cpu").train()
+def build(device: str = "cpu") -> nn.Module:
+    return build_model(load_config(CONFIG), device=device).train()
 
 
 def batches() -> list[torch.Tensor]:
@@ -53,23 +54,29 @@ def _full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for n, t in tensors.items()}
 
 
-def train(plan_json: str, save_to: str | None = None, resume_from: str | None = None) -> dict[str, Any]:
+def train(plan_json: str, save_to: str | None = None, resume_from: str | None = None,
+          accumulate: bool = False, from_pretrained: bool = False) -> dict[str, Any]:
     """The user's loop, unchanged between 1 device and a pipeline: seed, apply, AdamW.
 
     ``save_to`` checkpoints after SAVE_AT steps; ``resume_from`` loads such a checkpoint
-    and runs the remaining steps."""
+    and runs the remaining steps.  ``accumulate``: two batches per optimizer step, each
+    loss divided by 2 (gradient accumulation as HF's Trainer writes it).
+    ``from_pretrained``: the model built on the meta device and handed over in eval
+    mode, as ``from_pretrained`` returns it; the loop calls ``model.train()``."""
     data = batches()
     executor.rng.manual_seed(SEED)
     plan = Plan.from_json(plan_json)
-    model = executor.apply(plan, build())
+    model = executor.apply(plan, build("meta").eval() if from_pretrained else build())
+    model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     out: dict[str, Any] = {"losses": {}}
     start = executor.load(resume_from, model=model, optimizer=opt) if resume_from else 0
     if resume_from:
         out["loaded"] = _full(dict(model.named_parameters()))
     for step in range(start, STEPS):
-        loss = model(input_ids=data[step], labels=_ignoring_row_tails(data[step])).loss
-        loss.backward()
+        for ids in (data[step], data[(step + 1) % STEPS]) if accumulate else (data[step],):
+            loss = model(input_ids=ids, labels=_ignoring_row_tails(ids)).loss
+            (loss / 2 if accumulate else loss).backward()
         opt.step()
         opt.zero_grad()
         out["losses"][step] = loss.item()
@@ -83,15 +90,23 @@ def train(plan_json: str, save_to: str | None = None, resume_from: str | None = 
         with pytest.raises(PipelineError) as e:
             model(input_ids=data[0])
         out["no_labels"] = str(e.value)
+        model.eval()
+        with pytest.raises(PipelineError) as e:
+            model(input_ids=data[0], labels=data[0])
+        out["eval"] = str(e.value)
     return out
 
 
 def on_ranks(plans: dict[str, str], saver: str | None, root: str | None) -> dict[str, Any]:
-    """Every scenario; ``saver`` also checkpoints into ``root/ckpt`` on the way, then resumes
-    from the single-device run's checkpoint ``root/ckpt1``."""
-    out = {name: train(plan, save_to=f"{root}/ckpt" if name == saver else None) for name, plan in plans.items()}
+    """Every scenario; ``saver`` also checkpoints into ``root/ckpt`` on the way, resumes
+    from its own checkpoint and from the single-device run's ``root/ckpt1``, and trains
+    with gradient accumulation."""
+    out = {name: train(plan, save_to=f"{root}/ckpt" if name == saver else None,
+                       from_pretrained=name in FROM_PRETRAINED) for name, plan in plans.items()}
     if saver is not None:
         out["resumed"] = train(plans[saver], resume_from=f"{root}/ckpt1")
+        out["resumed_own"] = train(plans[saver], resume_from=f"{root}/ckpt")
+        out["accumulated"] = train(plans[saver], accumulate=True)
     return out
 
 
@@ -126,7 +141,8 @@ def reference(root: str) -> dict[str, Any]:
     """One device, no process group; checkpoints into ``root/ckpt1`` on the way."""
     one = planner.plan(CONFIG, devices=1, profile="cpu-gloo-local", batch_size=BATCH, seq_len=SEQ)
     try:
-        return {"plan": one.to_json(), **train(one.to_json(), save_to=f"{root}/ckpt1")}
+        return {"plan": one.to_json(), **train(one.to_json(), save_to=f"{root}/ckpt1"),
+                "accumulated": train(one.to_json(), accumulate=True)}
     finally:
         executor.rng.deactivate()  # leave other test modules with torch's own RNG
 
@@ -135,6 +151,9 @@ WORLD2 = {"gpipe": ("pp2", "gpipe", "replicate", "none"),
           "1f1b-full-recompute": ("pp2", "1f1b", "replicate", "full"),
           "interleaved": ("pp2", "interleaved-1f1b", "replicate", "none")}
 SAVER = "1f1b-full-recompute"
+# the README's path: built on the meta device, in eval mode as from_pretrained returns it
+WORLD2["1f1b-from-pretrained"] = ("pp2", "1f1b", "replicate", "none")
+FROM_PRETRAINED = {"1f1b-from-pretrained"}
 # Replicate (HSDP through FSDP2) with interleaving: two FSDP stage roots per rank.
 WORLD4 = {"fsdp-1f1b": ("pp2xdp2", "1f1b", "fully_shard", "none"),
           "replicate-interleaved-selective-recompute": ("pp2xdp2", "interleaved-1f1b", "replicate", "selective"),
@@ -223,9 +242,33 @@ def test_pp1_checkpoint_loads_with_pp2(world2: dict, reference: dict) -> None:
             assert r["resumed"]["losses"][step] == pytest.approx(reference["losses"][step], rel=1e-5)
 
 
-def test_forward_without_labels_says_why(world2: dict) -> None:
-    msg = world2["ranks"][0][SAVER]["no_labels"]
-    assert msg.startswith("labels: under a pipeline plan the model's forward runs a whole training step")
+def test_pp2_checkpoint_resumes_pp2(world2: dict, reference: dict) -> None:
+    """Two stages resume their own checkpoint: each rank's optimizer finds its parameters'
+    hyperparameters (unflattened, DCP kept one rank's parameter group and the other rank's
+    AdamW step failed on a group without betas)."""
+    for r in world2["ranks"]:
+        for step in range(SAVE_AT, STEPS):
+            assert r["resumed_own"]["losses"][step] == pytest.approx(reference["losses"][step], rel=1e-5)
+
+
+def test_gradient_accumulation_matches_single_device(world2: dict, reference: dict) -> None:
+    """Two forward + backward calls per optimizer step, each loss / 2: the schedule's
+    gradient scaling divided the earlier call's gradients too, and the returned loss
+    was a leaf, so ``/ 2`` changed nothing."""
+    for r in world2["ranks"]:
+        torch.testing.assert_close(torch.tensor(list(r["accumulated"]["losses"].values())),
+                                   torch.tensor(list(reference["accumulated"]["losses"].values())),
+                                   rtol=1e-5, atol=0)
+    params = _merged(world2["ranks"], "accumulated", "params")
+    for n, value in params.items():
+        torch.testing.assert_close(value, reference["accumulated"]["params"][n], rtol=1e-5, atol=1e-5)
+
+
+def test_forward_without_labels_or_in_eval_mode_says_why(world2: dict) -> None:
+    ranks = world2["ranks"]
+    assert ranks[0][SAVER]["no_labels"].startswith(
+        "labels: under a pipeline plan the model's forward runs a whole training step")
+    assert ranks[0][SAVER]["eval"].startswith("model.eval(): under a pipeline plan the forward runs a training step")
 
 
 def test_batch_rows_draw_the_global_rows_in_any_order() -> None:
@@ -262,6 +305,22 @@ def test_stage_module_that_does_not_exist(plans: dict[str, Plan]) -> None:
     plan = plans["pp2"].model_copy(deep=True)
     plan.pipeline.stages[1].modules.append("model.layers.9")
     assert "pipeline.stages[1].modules: model.layers.9 is not a module of the model" in _refused(plan)
+
+
+def test_stages_out_of_the_forward_order(plans: dict[str, Plan]) -> None:
+    """Refused by order, not only where random draws betray it: with no dropout the
+    swapped plan crashed inside torch and the one with the final norm in stage 0 trained
+    silently wrong."""
+    plan = plans["pp2"].model_copy(deep=True)
+    plan.pipeline.schedule, plan.pipeline.virtual_stages = "1f1b", 1
+    first, last = plan.pipeline.stages
+    last.modules.remove("model.norm")
+    first.modules.append("model.norm")
+    # (the check itself: in apply the plan's 2 devices against this single process come first)
+    cuts, problems = pipeline.check(plan, build_model(load_config({**CONFIG, "attention_dropout": 0.0})),
+                                    dry_run=True)
+    msg = "\n".join(problems)
+    assert cuts is None and "pipeline.stages: the model's forward runs model.layers." in msg and "before model.norm (stage 0)" in msg
 
 
 def test_parameter_in_no_stage_and_in_two(plans: dict[str, Plan]) -> None:
