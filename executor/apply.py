@@ -111,6 +111,7 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
         dist.init_process_group()
     world = mesh.size() if mesh is not None else dist.get_world_size() if dist.is_initialized() else 1
     layout = _check(plan, model, world, mesh)
+    _refuse_hf_checkpointing_later(model, plan)
     on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     if plan.devices == 1:
         return deferred_init.materialize(model) if on_meta else model
@@ -119,6 +120,7 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
                       f"{plan.devices}-device run will not reproduce the 1-device run; call "
                       "executor.rng.manual_seed(seed) before building the model", stacklevel=2)
     setattr(model, _APPLIED, True)
+    _refuse_save_pretrained(model, plan.devices)
     mesh = mesh or _build_mesh(plan, layout)
     model_mesh = mesh[layout.model] if _size(mesh, layout.model) > 1 else None
     if on_meta:
@@ -160,6 +162,51 @@ def _draws_dropout(model: nn.Module) -> bool:
     return any(k.endswith(("dropout", "pdrop")) and isinstance(v, float) and v > 0 for k, v in fields.items())
 
 
+def _hf_checkpointing(model: nn.Module, modules: list[nn.Module], plan: Plan) -> str | None:
+    """The problem when Hugging Face activation checkpointing is on in ``modules``.
+
+    HF wraps each layer in torch.utils.checkpoint, whose recomputation redraws dropout
+    from executor.rng's advanced counter (other masks than the forward's) and which the
+    executor's own recomputation (the plan's) would then nest inside.  (Read off the
+    layers' flag: the model-level property is deprecated in transformers 5.)"""
+    if not any(getattr(m, "gradient_checkpointing", False) is True for m in modules):
+        return None
+    off = ("activation_checkpointing_disable" if hasattr(model, "activation_checkpointing_disable")
+           else "gradient_checkpointing_disable")
+    return (f"model: Hugging Face activation checkpointing is on; call model.{off}(): activation "
+            f"checkpointing is the plan's field activation_checkpointing ({plan.activation_checkpointing!r} "
+            "here), which redraws the forward's dropout masks")
+
+
+def _refuse_hf_checkpointing_later(model: nn.Module, plan: Plan) -> None:
+    """``gradient_checkpointing_enable()`` called after ``apply``: refused at the next
+    forward (the modules that carry HF's flag are found once; reading their flags costs
+    microseconds per step)."""
+    flagged = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+
+    def pre(mod: nn.Module, args: tuple) -> None:
+        if problem := _hf_checkpointing(mod, flagged, plan):
+            raise PlanError(problem)
+
+    model.register_forward_pre_hook(pre, prepend=True)
+
+
+def _refuse_save_pretrained(model: nn.Module, devices: int) -> None:
+    """Hugging Face's ``save_pretrained`` on a rank's shards wrote a file of one pipeline
+    stage's tensors (another ``from_pretrained`` would initialise the rest at random) or
+    failed inside torch on DTensors; it is replaced by an error saying how to export."""
+    if not callable(getattr(model, "save_pretrained", None)):
+        return
+
+    def save_pretrained(*_args: Any, **_kwargs: Any) -> None:
+        raise PlanError(
+            f"save_pretrained: under a {devices}-device plan each rank holds its shards or stages of the "
+            "model only; save with executor.save(path, model=model), then in one process build the model "
+            "(no plan), executor.load(path, model=plain) and call plain.save_pretrained(...)")
+
+    model.save_pretrained = save_pretrained
+
+
 def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) -> _Layout:
     problems: list[str] = []
     if getattr(model, _APPLIED, False):
@@ -175,17 +222,8 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
         problems.append(f"devices: the plan is for {plan.devices} devices, {where} has {world}")
     if plan.devices > 1 and plan.mesh.device_type == "cuda" and not torch.cuda.is_available():
         problems.append("mesh.device_type: the plan is for cuda, but CUDA is not available here")
-    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
-        # HF wraps each layer in torch.utils.checkpoint, whose recomputation redraws dropout
-        # from executor.rng's advanced counter (other masks than the forward's) and which
-        # the executor's own recomputation (the plan's) would then nest inside.  (Read off
-        # the layers' flag: the model-level property is deprecated in transformers 5.)
-        off = ("activation_checkpointing_disable" if hasattr(model, "activation_checkpointing_disable")
-               else "gradient_checkpointing_disable")
-        problems.append(
-            f"model: Hugging Face activation checkpointing is on; call model.{off}(): activation "
-            f"checkpointing is the plan's field activation_checkpointing ({plan.activation_checkpointing!r} "
-            "here), which redraws the forward's dropout masks")
+    if problem := _hf_checkpointing(model, list(model.modules()), plan):
+        problems.append(problem)
     roles, found = plan.mesh_roles()
     problems += found
     layout = _Layout(**asdict(roles))

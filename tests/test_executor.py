@@ -362,6 +362,13 @@ def test_hugging_face_gradient_checkpointing_is_refused() -> None:
     msg = _refused(make_plan(model, {"dp": 1}), model)
     assert re.search(r"model: Hugging Face activation checkpointing is on; call model\.(activation|gradient)"
                      r"_checkpointing_disable\(\)", msg), msg
+    # turned on after apply: refused at the next forward (it was accepted silently)
+    model = executor.apply(make_plan(_llama(), {"dp": 1}), _llama())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable()
+    with pytest.raises(executor.PlanError, match="model: Hugging Face activation checkpointing is on"):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_parameter_without_placement() -> None:

@@ -94,6 +94,9 @@ def train(plan_json: str, save_to: str | None = None, resume_from: str | None = 
         with pytest.raises(PipelineError) as e:
             model(input_ids=data[0], labels=data[0])
         out["eval"] = str(e.value)
+        with pytest.raises(executor.PlanError) as e:
+            model.save_pretrained(f"{save_to}-hf")
+        out["save_pretrained"] = str(e.value)
     return out
 
 
@@ -228,6 +231,25 @@ def test_pp2_checkpoint_loads_with_pp1(world2: dict, reference: dict) -> None:
         assert torch.equal(value, saved[n]), n
     for step in range(SAVE_AT, STEPS):
         assert resumed["losses"][step] == pytest.approx(ranks[0][SAVER]["losses"][step], rel=1e-5)
+
+
+def test_save_pretrained_is_refused_and_the_export_it_names_works(world2: dict, tmp_path) -> None:
+    """On a stage's rank save_pretrained wrote that stage's tensors only; the error's recipe
+    (executor.save, load into a plain model, save_pretrained) gives the whole trained model."""
+    ranks = world2["ranks"]
+    assert ranks[0][SAVER]["save_pretrained"].startswith(
+        "save_pretrained: under a 2-device plan each rank holds its shards or stages of the model only")
+    plain = build()
+    try:
+        executor.load(f"{world2['root']}/ckpt", model=plain)
+    finally:
+        executor.rng.deactivate()  # the load restored the run's rng state
+    plain.save_pretrained(tmp_path / "hf")
+    exported = type(plain).from_pretrained(tmp_path / "hf")
+    saved = _merged(ranks, SAVER, "saved")
+    assert {n for n, _ in exported.named_parameters()} == saved.keys()
+    for n, p in exported.named_parameters():
+        assert torch.equal(p.detach(), saved[n]), n
 
 
 def test_pp1_checkpoint_loads_with_pp2(world2: dict, reference: dict) -> None:
