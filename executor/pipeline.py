@@ -506,9 +506,9 @@ class _Runner:
         """This step's loss.backward() with gradient ``scale`` (``(loss / k).backward()`` in
         a gradient-accumulation loop): its gradients, computed for scale 1, scaled so
         that the held ones are earlier + scale * this step's, as on one device."""
-        if step != self._steps:
+        if step != self._steps or not self._earlier:
             raise PipelineError("loss.backward(): under a pipeline plan the forward already ran the "
-                                "step's backward; only the latest step's loss can scale its gradients")
+                                "step's backward; only the latest step's loss can scale its gradients, once")
         with torch.no_grad():
             for p, earlier in zip(self._params, self._earlier, strict=True):
                 if p.grad is None:
