@@ -134,6 +134,10 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     batch = (DataParallelBatch(mesh, layout.data, layout.model if model_mesh is not None else (),
                                counts_tokens=layout.cuts is None and _counts_tokens(model))
              if _size(mesh, layout.data) > 1 else None)
+    if batch is not None:
+        for problem in _not_per_row(model):
+            warnings.warn(f"{problem}; this run will not reproduce the 1-device run (docs/executor.md, "
+                          "Known limits)", stacklevel=2)
     if layout.cuts is not None:
         return pipeline.pipelined(model, plan, layout.cuts, mesh, batch,
                                   partial(_prepare_stage, plan=plan, mesh=mesh, model_mesh=model_mesh,
@@ -289,6 +293,21 @@ def _build_mesh(plan: Plan, layout: _Layout) -> DeviceMesh:
     return init_device_mesh(device, tuple(shape), mesh_dim_names=tuple(names))
 
 
+def _not_per_row(model: nn.Module) -> list[str]:
+    """What a Hugging Face config turns on that data parallelism cannot split by batch
+    rows: each rank computes it on its slice as if the slice were the whole batch."""
+    config = getattr(model, "config", None)
+    problems = []
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        problems.append("output_router_logits: the router's load-balancing loss is computed on each "
+                        "data-parallel rank's slice, and it is not a mean over rows, so the loss and the "
+                        "router's gradients differ from one device's")
+    if getattr(config, "router_jitter_noise", 0):
+        problems.append("router_jitter_noise: the router's noise is drawn on each data-parallel rank's "
+                        "flattened tokens as if they were the batch's first rows")
+    return problems
+
+
 def _size(mesh: DeviceMesh, dims: tuple[str, ...]) -> int:
     return math.prod(mesh.size(mesh.mesh_dim_names.index(d)) for d in dims)
 
@@ -388,14 +407,27 @@ _CPU_SDPA_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_
 def _register_cpu_attention_sharding() -> None:
     """DTensor has sharding rules for the CUDA attention kernels but not for the CPU one
     that ``F.scaled_dot_product_attention`` picks on CPU; attention is independent per
-    batch element and per head, so batch- and head-sharding are exact."""
+    batch element and per head, so batch- and head-sharding are exact.  The keyword-only
+    ``attn_mask`` (a padding mask, broadcast over the dims where it has size 1) is split
+    like the query where it has that dim, and whole where it broadcasts."""
+    def mask(q: Any, m: Any, p: Placement) -> list:
+        if m is None:
+            return []
+        if isinstance(p, Shard):  # the mask's dims align with the query's from the right
+            d = p.dim - (len(q.shape) - len(m.shape))
+            if d >= 0 and m.shape[d] == q.shape[p.dim]:
+                return [Shard(d)]
+        return [Replicate()]
+
     @register_sharding(_CPU_SDPA)
-    def forward(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> list:
-        return [([p, p], [p, p, p] + [None] * len(args)) for p in (Replicate(), Shard(0), Shard(1))]
+    def forward(q: Any, k: Any, v: Any, *args: Any, attn_mask: Any = None, **kwargs: Any) -> list:
+        return [([p, p], [p, p, p] + [None] * len(args) + mask(q, attn_mask, p))
+                for p in (Replicate(), Shard(0), Shard(1))]
 
     @register_sharding(_CPU_SDPA_BACKWARD)
-    def backward(*args: Any, **kwargs: Any) -> list:
-        return [([p] * 3, [p] * 6 + [None] * (len(args) - 6)) for p in (Replicate(), Shard(0), Shard(1))]
+    def backward(*args: Any, attn_mask: Any = None, **kwargs: Any) -> list:
+        return [([p] * 3, [p] * 6 + [None] * (len(args) - 6) + mask(args[1], attn_mask, p))
+                for p in (Replicate(), Shard(0), Shard(1))]
 
 
 def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,

@@ -345,7 +345,7 @@ class Region:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         try:
-            with _isolated():
+            with _isolated(), _generic_values(params):
                 inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
                           for t in leaves]
                 dargs, dkwargs = tree_unflatten(inputs, spec)
@@ -445,6 +445,32 @@ def _isolated() -> Iterator[None]:
 
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), _disable_current_modes():
         yield
+
+
+@contextmanager
+def _generic_values(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """The region's parameters set to a fixed pattern for the check, then put back.
+
+    The check must tell a wrong replay from DTensor's semantics whatever values the
+    parameters take later in training.  Hugging Face initialises biases to zero, and a
+    row-parallel bias that the replay adds on every rank before the sum (tp x the bias;
+    DTensor adds it once) matched at the first call, then drifted from one device's
+    training as the bias moved.  The pattern (a low-discrepancy sequence in [-0.1, 0.1)
+    over each local tensor's elements) is the same on every rank that holds a tensor of
+    that shape, so replicated parameters stay replicated."""
+    with torch.no_grad():
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        saved = [t.clone() for t in local]
+        for t in local:
+            pattern = (torch.arange(t.numel(), dtype=torch.float64, device=t.device) * 0.6180339887498949
+                       ).remainder(1.0).sub(0.5).mul(0.2)
+            t.copy_(pattern.view(t.shape))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, value in zip(local, saved, strict=True):
+                t.copy_(value)
 
 
 def _vjp(out: Any, inputs: list[Any], params: list[torch.Tensor]) -> list[torch.Tensor | None]:

@@ -840,7 +840,7 @@ def sdpa(
     only way to give the probabilities our mask.
     """
     if dropout_p == 0.0:
-        return F.scaled_dot_product_attention(
+        return _layouts_agree(F.scaled_dot_product_attention(
             query,
             key,
             value,
@@ -849,13 +849,31 @@ def sdpa(
             is_causal=is_causal,
             scale=scale,
             enable_gqa=enable_gqa,
-        )
+        ))
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: attn_mask and is_causal cannot both be set")
     if attn_mask is None and _heads_sharded_alike(query, key, value):
         return _sdpa_on_shards(query, key, value, dropout_p, is_causal, scale, enable_gqa)
     return _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                       lambda weights: dropout(weights, dropout_p, training=True))
+
+
+def _layouts_agree(out: torch.Tensor) -> torch.Tensor:
+    """A DTensor attention output whose global strides disagree with its local tensor's,
+    made contiguous in both.  DTensor takes an output's strides from the kernel's meta
+    function, and for GPT-2's strided q/k/v (split from one projection) the CPU kernel's
+    meta function answered another layout than the kernel returned; ``.contiguous()``
+    then trusted the global strides and left the local tensor as it was, and the next
+    ``view`` failed on it."""
+    if not _is_dtensor(out):
+        return out
+    local = out.to_local()
+    if local.is_contiguous() == out.is_contiguous():
+        return out
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.contiguous(), out.device_mesh, out.placements, run_check=False,
+                              shape=out.shape, stride=tuple(_contiguous_strides(out.shape)))
 
 
 def _attention(

@@ -79,18 +79,22 @@ class Case:
     logits_loss: bool = False  # the loop computes the loss from .logits, not labels=
     vocab_embedding: bool = False  # embed_tokens sharded by vocabulary row (TorchTitan's)
     padded: bool = False  # right padding (attention_mask, labels -100), uneven over the ranks
+    bias: bool = False  # Llama with attention and MLP biases (row-parallel o_proj / down_proj biases)
+    rows: int = BATCH  # global batch in sequences
 
     @property
     def name(self) -> str:
         mesh = "x".join(f"{k}{v}" for k, v in self.mesh.items())
         flags = [f for f, on in (("fsdp", self.fsdp), ("sp", self.sp), ("meta", self.meta),
                                  ("logits-loss", self.logits_loss),
-                                 ("vocab-embedding", self.vocab_embedding), ("padded", self.padded)) if on]
+                                 ("vocab-embedding", self.vocab_embedding), ("padded", self.padded),
+                                 ("bias", self.bias), (f"rows{self.rows}", self.rows != BATCH)) if on]
         ac = [] if self.checkpointing == "none" else [f"ac-{self.checkpointing}"]
         return "-".join([self.model, mesh, *flags, *ac, f"drop{self.dropout}"])
 
     def reference(self) -> Case:
-        return Case(self.model, dropout=self.dropout, logits_loss=self.logits_loss, padded=self.padded)
+        return Case(self.model, dropout=self.dropout, logits_loss=self.logits_loss, padded=self.padded,
+                    bias=self.bias, rows=self.rows)
 
 
 def build(case: Case) -> nn.Module:
@@ -99,7 +103,8 @@ def build(case: Case) -> nn.Module:
         with torch.device(device):
             model = (MLP if case.model == "mlp" else CenteredMLP)(case.dropout)
     elif case.model in ("llama", "qwen2", "mistral"):  # qwen2 adds q/k/v biases
-        cfg = {**PRESETS["llama-tiny"], "model_type": case.model, "attention_dropout": case.dropout}
+        cfg = {**PRESETS["llama-tiny"], "model_type": case.model, "attention_dropout": case.dropout,
+               **({"attention_bias": True, "mlp_bias": True} if case.bias else {})}
         model = build_model(load_config(cfg), device=device)
     else:
         p = case.dropout
@@ -112,9 +117,9 @@ def batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
     with executor.rng.suspended():
         g = torch.Generator().manual_seed(7)
         if case.model.endswith("mlp"):
-            return [(torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 16, generator=g))
+            return [(torch.randn(case.rows, 16, generator=g), torch.randn(case.rows, 16, generator=g))
                     for _ in range(STEPS)]
-        ids = [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+        ids = [torch.randint(0, 128, (case.rows, SEQ), generator=g) for _ in range(STEPS)]
         return [(x, x) for x in ids]
 
 
@@ -122,7 +127,7 @@ def loss_of(model: nn.Module, case: Case, x: torch.Tensor, y: torch.Tensor) -> t
     if case.model.endswith("mlp"):
         return F.mse_loss(model(x), y)  # computed from the (global) output in the loop
     if case.padded:  # row i padded by i tokens: the data-parallel slices count unequally
-        mask = (torch.arange(SEQ) < SEQ - torch.arange(BATCH)[:, None]).long()
+        mask = (torch.arange(SEQ) < SEQ - torch.arange(len(x))[:, None]).long()
         return model(input_ids=x, attention_mask=mask, labels=y.masked_fill(mask == 0, -100)).loss
     if case.logits_loss:  # reads the logits, which the executor then gathers
         return F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
@@ -155,8 +160,11 @@ def train(case: Case, plan_json: str | None = None) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    model.eval()  # validation after training: no dropout, no gradients
+    with torch.no_grad():
+        evaluation = loss_of(model, case, *data[0]).item()
     return {"losses": losses, "grads": grads, "params": _full(dict(model.named_parameters())),
-            "local": executor.local_regions.running_locally(model)}
+            "local": executor.local_regions.running_locally(model), "eval": evaluation}
 
 
 def _full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -216,6 +224,16 @@ CASES_2 = [
     # selective recomputation under pure data parallelism: Hugging Face's default cache,
     # appended to again by the recomputation, made it run other ops than the forward
     Case("llama", {"dp": 2}, dropout=0.1, checkpointing="selective", padded=True),
+    # no dropout: attention runs torch's CPU kernel on DTensors, whose sharding rule
+    # lacked the padding mask (a crash in training and in every TP model's validation)
+    Case("llama", {"tp": 2}, padded=True),
+    # row-parallel biases: zero at the first call, where a local replay that added them on
+    # every rank (tp x the bias) passed the check, then drifted as they trained
+    Case("llama", {"tp": 2}, dropout=0.1, bias=True),
+    # GPT-2 without dropout: its attention output's strides disagreed with its local shard's
+    Case("gpt2", {"tp": 2}),
+    # one sequence per rank with attention dropout (crashed: the query was not taken as batched)
+    Case("llama", {"dp": 2}, dropout=0.1, rows=2),
 ]
 
 
@@ -262,6 +280,7 @@ def world2() -> dict[str, Any]:
 def _assert_matches(result: dict[str, Any], ref: dict[str, Any]) -> None:
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"]),
                                rtol=1e-5, atol=0)
+    assert result["eval"] == pytest.approx(ref["eval"], rel=1e-5)
     for kind in ("grads", "params"):
         assert result[kind].keys() == ref[kind].keys()
         for name, value in result[kind].items():
@@ -290,16 +309,40 @@ def test_tensor_parallel_blocks_run_on_local_shards(world2: dict, world4: dict) 
     blocks = [f"model.layers.{i}.{b}" for i in layers for b in ("self_attn", "mlp")]
     checked = 0
     for name, result in {**world2, **world4["train"]}.items():
-        if name.startswith(("llama-tp2", "qwen2-tp2", "mistral-tp2", "llama-dp2xtp2")):
+        if name.startswith(("llama-tp2", "qwen2-tp2", "mistral-tp2", "llama-dp2xtp2")) and "-bias-" not in name:
             assert result["local"] == (whole if "-sp-" in name else blocks), name
             checked += 1
-    assert checked == 6
+    assert checked == 7
     assert world2[Case("centered-mlp", {"tp": 2}, dropout=0.1).name]["local"] == []
+    # a row-parallel bias is added once to the sum of the shards' products; the local run
+    # adds it on every rank, which the check, run on parameters of a fixed pattern rather
+    # than Hugging Face's zero-initialised biases, now sees
+    assert world2[Case("llama", {"tp": 2}, dropout=0.1, bias=True).name]["local"] == []
 
 
 @pytest.mark.parametrize("mesh", [*PLANNER_MESHES, *HAND_LAYOUTS])
 def test_plans_from_the_planner_match_single_device(mesh: str, world4: dict, references: dict) -> None:
     _assert_matches(world4["planned"][mesh], references[PLANNED_CASE.name])
+
+
+def router_warnings() -> list[str]:
+    """The warnings of applying a data-parallel plan to a tiny Mixtral with its router's
+    load-balancing loss and noise on (neither splits by batch rows)."""
+    cfg = {**PRESETS["llama-tiny"], "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+           "output_router_logits": True, "router_aux_loss_coef": 0.02, "router_jitter_noise": 0.1}
+    executor.rng.manual_seed(SEED)
+    model = build_model(load_config(cfg), device="cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        executor.apply(make_plan(model, {"dp": 2}), model)
+    return [str(w.message) for w in caught]
+
+
+def test_router_options_that_do_not_split_by_rows_warn() -> None:
+    caught = run_on_ranks(2, router_warnings)[0]
+    assert any(m.startswith("output_router_logits: the router's load-balancing loss is computed on each "
+                            "data-parallel rank's slice") for m in caught), caught
+    assert any(m.startswith("router_jitter_noise: ") for m in caught), caught
 
 
 def test_dropout_is_on_in_the_reference(references: dict) -> None:
