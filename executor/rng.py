@@ -867,12 +867,13 @@ def _layouts_agree(out: torch.Tensor) -> torch.Tensor:
     ``view`` failed on it."""
     if not _is_dtensor(out):
         return out
-    local = out.to_local()
-    if local.is_contiguous() == out.is_contiguous():
+    with torch.no_grad():  # the local tensor itself, no autograd node for the look
+        agree = out.to_local().is_contiguous() == out.is_contiguous()
+    if agree:
         return out
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local.contiguous(), out.device_mesh, out.placements, run_check=False,
+    return DTensor.from_local(out.to_local().contiguous(), out.device_mesh, out.placements, run_check=False,
                               shape=out.shape, stride=tuple(_contiguous_strides(out.shape)))
 
 
