@@ -10,8 +10,8 @@ form, the optimizer's flattened (``flatten_optimizer_state_dict``): each paramet
 state and hyperparameters under its own FQN.  Unflattened, a parameter group is one
 entry holding the list of its parameters' names, which differs between pipeline ranks;
 DCP keeps one rank's copy of such an entry, and a resumed pipeline rank then found no
-hyperparameters for its parameters.  Alongside goes a small JSON record (step,
-``executor.rng`` state, world size).
+hyperparameters for its parameters (format 1, which ``load`` now refuses by name).
+Alongside goes a small JSON record (step, ``executor.rng`` state, world size).
 
 A save is atomic: ranks write into ``<path>.incomplete``, and only after all of them
 have finished does rank 0 write the record and rename the directory to ``<path>``.  A
@@ -36,7 +36,8 @@ from torch.optim import Optimizer
 from executor import rng
 
 RECORD = "meshplan-checkpoint.json"
-FORMAT_VERSION = 2  # 1: the optimizer state unflattened (still read)
+FORMAT_VERSION = 2  # 1 (before 2026-11-24) saved the optimizer state unflattened
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class CheckpointError(RuntimeError):
@@ -51,8 +52,7 @@ def save(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     if _rank() == 0 and staging.exists():
         shutil.rmtree(staging)  # debris of an earlier interrupted save
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [],
-                                        options=_options(FORMAT_VERSION))
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [], options=_OPTIONS)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging),
              no_dist=not dist.is_initialized())
     _barrier()  # every rank's shards are on disk
@@ -83,22 +83,17 @@ def load(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     record = _read_record(Path(path))
     if optimizer is not None and not record["optimizer"]:
         raise CheckpointError(f"optimizer: {path} was saved without optimizer state")
-    options = _options(record["format"])
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [], options=_OPTIONS)
     _check_model(Path(path), model_sd)
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optim"] = optim_sd
     dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer if optimizer is not None else [],
-                   model_state_dict=state["model"], optim_state_dict=state.get("optim", {}), options=options)
+                   model_state_dict=state["model"], optim_state_dict=state.get("optim", {}), options=_OPTIONS)
     if record["rng"] is not None:
         rng.set_state(record["rng"])
     return record["step"]
-
-
-def _options(version: int) -> StateDictOptions:
-    return StateDictOptions(flatten_optimizer_state_dict=version >= 2)
 
 
 def _check_model(path: Path, model_sd: dict[str, Any]) -> None:

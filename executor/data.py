@@ -211,8 +211,9 @@ def _has_batch(v: Any, query: torch.Tensor) -> bool:
     """Whether ``v`` carries the rank's batch rows in dim 0, as the query does.  A mask
     broadcast over the batch (dim 0 of size 1) is told apart by its size; with one row
     per rank it cannot be, and is taken as batched: a broadcast mask is then the same
-    row on every rank, which as a global tensor is that row repeated, the same values."""
-    return isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == query.shape[0]
+    row on every rank, which as a global tensor is that row repeated, the same values.
+    A mask of fewer dims than the query broadcasts over its leading dims: not batched."""
+    return isinstance(v, torch.Tensor) and v.dim() == query.dim() and v.shape[0] == query.shape[0]
 
 
 def _bind_dropout(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -342,10 +342,10 @@ class Region:
     def _learn(self, args: tuple, kwargs: dict) -> _Tape | None:
         state = rng.get_state() if rng.is_active() else None
         leaves, spec = tree_flatten((args, kwargs))
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        params = [p for _, p in named]
         try:
-            with _isolated(), _generic_values(params):
+            with _isolated(), _generic_values(self.module):
+                named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+                params = [p for _, p in named]
                 inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
                           for t in leaves]
                 dargs, dkwargs = tree_unflatten(inputs, spec)
@@ -448,8 +448,8 @@ def _isolated() -> Iterator[None]:
 
 
 @contextmanager
-def _generic_values(params: Sequence[torch.Tensor]) -> Iterator[None]:
-    """The region's parameters set to a fixed pattern for the check, then put back.
+def _generic_values(module: nn.Module) -> Iterator[None]:
+    """The region's parameters swapped for copies holding a fixed pattern, for the check.
 
     The check must tell a wrong replay from DTensor's semantics whatever values the
     parameters take later in training.  Hugging Face initialises biases to zero, and a
@@ -457,20 +457,27 @@ def _generic_values(params: Sequence[torch.Tensor]) -> Iterator[None]:
     DTensor adds it once) matched at the first call, then drifted from one device's
     training as the bias moved.  The pattern (a low-discrepancy sequence in [-0.1, 0.1)
     over each local tensor's elements) is the same on every rank that holds a tensor of
-    that shape, so replicated parameters stay replicated."""
+    that shape, so replicated parameters stay replicated.  The parameter objects are
+    swapped, as ``_local_parameters`` swaps them, rather than written in place: a
+    forward earlier in the same graph may have saved them for its backward."""
+    swapped = []
     with torch.no_grad():
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
-        saved = [t.clone() for t in local]
-        for t in local:
-            pattern = (torch.arange(t.numel(), dtype=torch.float64, device=t.device) * 0.6180339887498949
-                       ).remainder(1.0).sub(0.5).mul(0.2)
-            t.copy_(pattern.view(t.shape))
+        for sub in module.modules():
+            for name, p in list(sub._parameters.items()):
+                if p is None:
+                    continue
+                local = p.to_local() if isinstance(p, DTensor) else p
+                pattern = (torch.arange(local.numel(), dtype=torch.float64, device=local.device)
+                           * 0.6180339887498949).remainder(1.0).sub(0.5).mul(0.2).to(local.dtype).view(local.shape)
+                value = (DTensor.from_local(pattern, p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride()) if isinstance(p, DTensor) else pattern)
+                swapped.append((sub, name, p))
+                sub._parameters[name] = nn.Parameter(value, requires_grad=p.requires_grad)
     try:
         yield
     finally:
-        with torch.no_grad():
-            for t, value in zip(local, saved, strict=True):
-                t.copy_(value)
+        for sub, name, p in swapped:
+            sub._parameters[name] = p
 
 
 def _vjp(out: Any, inputs: list[Any], params: list[torch.Tensor]) -> list[torch.Tensor | None]:

@@ -112,6 +112,14 @@ def check(plan: Plan, model: nn.Module, dry_run: bool) -> tuple[Cuts | None, lis
                         "runtime starts later stages from inputs_embeds= and computes the loss with "
                         "the model's loss_function")
         return None, problems
+    if getattr(model, "loss_type", None) != "ForCausalLM":
+        # each micro-batch's loss is its share of the global mean through num_items_in_batch
+        # (the schedule adds the micro-batches' gradients); a loss that ignored it would be
+        # the micro-batch count times too large
+        problems.append(f"pipeline: {type(model).__name__}'s loss is not Hugging Face's causal-LM loss "
+                        f"(loss_type {getattr(model, 'loss_type', None)!r}); the pipeline weights "
+                        "micro-batch losses by token counts through its num_items_in_batch")
+        return None, problems
     stages, found = _virtual_stages(plan, model)
     problems += found
     if not problems:
@@ -462,9 +470,11 @@ class _Runner:
         # unevenly -100 labels fall over them
         self._items: torch.Tensor | float = 1.0
         self._params = list({id(p): p for r in replicas.values() for p in r.parameters()}.values())
-        # the gradients held before this step's (accumulated by earlier calls), kept until
-        # the step's loss.backward() says by how much to scale this step's (_StepLoss)
+        # the gradients held before this step's (accumulated by earlier calls) and this
+        # step's own, kept apart until the step's loss.backward() says by how much to
+        # scale this step's (_StepLoss)
         self._earlier: list[torch.Tensor | None] = []
+        self._this: list[torch.Tensor | None] = []
         self._steps = 0
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -489,35 +499,45 @@ class _Runner:
         self._base = state["counter"] if state is not None else 0
         losses: list[torch.Tensor] = []
         first, last = 0 in self.replicas, len(self.cuts.stages) - 1 in self.replicas
-        self._earlier = [p.grad for p in self._params]  # gradient accumulation: this step's apart
-        for p in self._params:
-            p.grad = None
+        self._set_aside()
         schedule.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}))
-        for p, earlier in zip(self._params, self._earlier, strict=True):
-            if earlier is not None:
-                p.grad = earlier if p.grad is None else p.grad + earlier
+        self._combine()
         if state is not None:  # every rank ends where one device's step ends
             rng.set_state({"seed": state["seed"], "counter": self._base + self.cuts.draws})
         self._steps += 1
         value = self._step_loss(losses, size).requires_grad_()
         return CausalLMOutputWithPast(loss=_StepLoss.apply(value, self, self._steps))
 
+    def _set_aside(self) -> None:
+        """Gradient accumulation: the gradients earlier calls left, held apart while the
+        schedule computes this step's."""
+        self._earlier = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+
+    def _combine(self) -> None:
+        """The held gradients become earlier + this step's (scale 1 until ``rescale``)."""
+        self._this = [p.grad for p in self._params]
+        for p, earlier, this in zip(self._params, self._earlier, self._this, strict=True):
+            if earlier is not None:
+                p.grad = earlier if this is None else earlier + this
+
     def rescale(self, scale: torch.Tensor, step: int) -> None:
         """This step's loss.backward() with gradient ``scale`` (``(loss / k).backward()`` in
         a gradient-accumulation loop): its gradients, computed for scale 1, scaled so
         that the held ones are earlier + scale * this step's, as on one device."""
-        if step != self._steps or not self._earlier:
+        if step != self._steps or not self._this:
             raise PipelineError("loss.backward(): under a pipeline plan the forward already ran the "
                                 "step's backward; only the latest step's loss can scale its gradients, once")
         with torch.no_grad():
-            for p, earlier in zip(self._params, self._earlier, strict=True):
-                if p.grad is None:
+            for p, earlier, this in zip(self._params, self._earlier, self._this, strict=True):
+                if this is None:  # no gradient this step: the held one is the earlier calls'
                     continue
-                held = _local(p.grad)
-                held.mul_(scale)
-                if earlier is not None:  # total = earlier + this: earlier + scale * this
-                    held.add_(_local(earlier) * (1 - scale))
-        self._earlier = []
+                if earlier is None:  # the held gradient is this step's own
+                    _local(this).mul_(scale)
+                else:  # held = earlier + this, recomputed as earlier + scale * this
+                    _local(p.grad).copy_(_local(this)).mul_(scale).add_(_local(earlier))
+        self._earlier, self._this = [], []
 
     def _refuse(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None, kwargs: dict) -> None:
         if input_ids is None or labels is None:

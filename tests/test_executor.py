@@ -585,6 +585,20 @@ def test_a_layer_runs_on_local_shards_only_where_its_gradients_cross_boundaries(
     assert locally == ([f"model.layers.{i}" for i in layers] if sp else blocks)
 
 
+def test_two_forwards_of_new_shapes_before_one_backward() -> None:
+    """A loop that sums the losses of two batches of different lengths (chosen and rejected
+    sequences, dynamically padded micro-batches): the second shape makes every region check
+    itself again, in the middle of the first forward's graph.  The check once wrote its
+    parameter pattern into the live parameters, which the first forward had saved for its
+    backward (an in-place modification error)."""
+    with tp2_on_fake_group(sp=False) as model:
+        ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+        model(input_ids=ids, labels=ids).loss.backward()
+        short = ids[:, : SEQ // 2]
+        (model(input_ids=ids, labels=ids).loss + model(input_ids=short, labels=short).loss).backward()
+        assert executor.local_regions.running_locally(model)
+
+
 def test_a_loop_that_leaves_use_cache_alone_trains_on_local_shards() -> None:
     """Hugging Face models build a key/value cache on every call unless told not to, and
     each layer appends to it: a region's check appended its extra runs' keys too, and the

@@ -286,6 +286,36 @@ def test_gradient_accumulation_matches_single_device(world2: dict, reference: di
         torch.testing.assert_close(value, reference["accumulated"]["params"][n], rtol=1e-5, atol=1e-5)
 
 
+def test_accumulation_scales_only_what_each_call_computed() -> None:
+    """The arithmetic of ``loss / k`` over accumulated calls, on the runner's own methods:
+    a parameter with no gradient in a call (an expert no token reached) keeps the earlier
+    calls' gradient unscaled (it was scaled twice), and a large scale (GradScaler's 65536)
+    is exact (it cancelled: earlier x (1 - s) added to (earlier + this) x s)."""
+    from executor.pipeline import _Runner
+
+    runner = _Runner.__new__(_Runner)  # its accumulation state only: no stages
+    used, expert = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
+    runner._params, runner._steps = [used, expert], 0
+
+    def call(grads: list[torch.Tensor | None], scale: float) -> None:
+        runner._set_aside()
+        for p, g in zip(runner._params, grads, strict=True):  # what the schedule's backward leaves
+            p.grad = g
+        runner._combine()
+        runner._steps += 1
+        runner.rescale(torch.tensor(scale), runner._steps)
+
+    call([torch.ones(3), torch.ones(3)], 0.5)
+    call([torch.ones(3), None], 0.5)
+    assert torch.equal(used.grad, torch.ones(3)) and torch.equal(expert.grad, torch.full((3,), 0.5))
+    first, second = torch.randn(1000, generator=torch.Generator().manual_seed(0)), torch.randn(1000)
+    runner._params, used.grad = [used], None
+    used.data = torch.zeros(1000)
+    call([first.clone()], 65536.0)
+    call([second.clone()], 65536.0)
+    torch.testing.assert_close(used.grad, 65536.0 * first + 65536.0 * second, rtol=1e-6, atol=0)
+
+
 def test_forward_without_labels_or_in_eval_mode_says_why(world2: dict) -> None:
     ranks = world2["ranks"]
     assert ranks[0][SAVER]["no_labels"].startswith(
