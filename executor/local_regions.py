@@ -40,7 +40,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -420,21 +420,31 @@ def _hooked_globally() -> bool:
 
 
 @contextmanager
-def _local_parameters(module: nn.Module, grads: dict[str, tuple[Placement, ...]]) -> Iterator[None]:
-    """The region's DTensor parameters swapped for their local shards (differentiable:
-    gradients reach the DTensor parameters with the placements ``grads`` recorded, else
-    their own)."""
+def _swapped_parameters(module: nn.Module, replace: Callable[[str, torch.Tensor], torch.Tensor | None]
+                        ) -> Iterator[None]:
+    """Each parameter of the region (by FQN within it) swapped for ``replace``'s tensor
+    (kept where it answers None), the originals put back afterwards: the parameter
+    objects are swapped, never written, so graphs that saved them stay valid."""
     swapped = []
     for prefix, sub in module.named_modules():
         for name, p in list(sub._parameters.items()):
-            if isinstance(p, DTensor):
+            new = None if p is None else replace(f"{prefix}.{name}" if prefix else name, p)
+            if new is not None:
                 swapped.append((sub, name, p))
-                sub._parameters[name] = p.to_local(grad_placements=grads.get(f"{prefix}.{name}" if prefix else name))
+                sub._parameters[name] = new
     try:
         yield
     finally:
         for sub, name, p in swapped:
             sub._parameters[name] = p
+
+
+def _local_parameters(module: nn.Module, grads: dict[str, tuple[Placement, ...]]) -> AbstractContextManager:
+    """The region's DTensor parameters swapped for their local shards (differentiable:
+    gradients reach the DTensor parameters with the placements ``grads`` recorded, else
+    their own)."""
+    return _swapped_parameters(module, lambda fqn, p: p.to_local(grad_placements=grads.get(fqn))
+                               if isinstance(p, DTensor) else None)
 
 
 @contextmanager
@@ -447,8 +457,7 @@ def _isolated() -> Iterator[None]:
         yield
 
 
-@contextmanager
-def _generic_values(module: nn.Module) -> Iterator[None]:
+def _generic_values(module: nn.Module) -> AbstractContextManager:
     """The region's parameters swapped for copies holding a fixed pattern, for the check.
 
     The check must tell a wrong replay from DTensor's semantics whatever values the
@@ -457,27 +466,19 @@ def _generic_values(module: nn.Module) -> Iterator[None]:
     DTensor adds it once) matched at the first call, then drifted from one device's
     training as the bias moved.  The pattern (a low-discrepancy sequence in [-0.1, 0.1)
     over each local tensor's elements) is the same on every rank that holds a tensor of
-    that shape, so replicated parameters stay replicated.  The parameter objects are
-    swapped, as ``_local_parameters`` swaps them, rather than written in place: a
-    forward earlier in the same graph may have saved them for its backward."""
-    swapped = []
-    with torch.no_grad():
-        for sub in module.modules():
-            for name, p in list(sub._parameters.items()):
-                if p is None:
-                    continue
-                local = p.to_local() if isinstance(p, DTensor) else p
-                pattern = (torch.arange(local.numel(), dtype=torch.float64, device=local.device)
-                           * 0.6180339887498949).remainder(1.0).sub(0.5).mul(0.2).to(local.dtype).view(local.shape)
-                value = (DTensor.from_local(pattern, p.device_mesh, p.placements, run_check=False,
-                                            shape=p.shape, stride=p.stride()) if isinstance(p, DTensor) else pattern)
-                swapped.append((sub, name, p))
-                sub._parameters[name] = nn.Parameter(value, requires_grad=p.requires_grad)
-    try:
-        yield
-    finally:
-        for sub, name, p in swapped:
-            sub._parameters[name] = p
+    that shape, so replicated parameters stay replicated.  Swapped, not written in place:
+    a forward earlier in the same graph may have saved the live ones for its backward."""
+    def pattern(_fqn: str, p: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            values = (torch.arange(local.numel(), dtype=torch.float64, device=local.device) * 0.6180339887498949
+                      ).remainder(1.0).sub(0.5).mul(0.2).to(local.dtype).view(local.shape)
+            if isinstance(p, DTensor):
+                values = DTensor.from_local(values, p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
+        return nn.Parameter(values, requires_grad=p.requires_grad)
+
+    return _swapped_parameters(module, pattern)
 
 
 def _vjp(out: Any, inputs: list[Any], params: list[torch.Tensor]) -> list[torch.Tensor | None]:
