@@ -493,14 +493,20 @@ class _Runner:
         mb = rows // self.microbatches
         self._rows = (index * rows, mb, rows * size)
         schedule = self._schedule(mb, x.shape[1])
-        for replica in self.replicas.values():
-            replica.train(self.model.training)
+        for replica in self.replicas.values():  # its copied containers keep the mode they had at apply
+            replica.train()
         state = rng.get_state() if rng.is_active() else None
         self._base = state["counter"] if state is not None else 0
         losses: list[torch.Tensor] = []
         first, last = 0 in self.replicas, len(self.cuts.stages) - 1 in self.replicas
         self._set_aside()
-        schedule.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}))
+        try:
+            schedule.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}))
+        except BaseException:
+            self._put_back()
+            if state is not None:
+                rng.set_state(state)
+            raise
         self._combine()
         if state is not None:  # every rank ends where one device's step ends
             rng.set_state({"seed": state["seed"], "counter": self._base + self.cuts.draws})
@@ -515,12 +521,23 @@ class _Runner:
         for p in self._params:
             p.grad = None
 
+    def _put_back(self) -> None:
+        """A step that failed: the gradients of earlier calls are held again, its own dropped."""
+        for p, earlier in zip(self._params, self._earlier, strict=True):
+            p.grad = earlier
+        self._earlier = []
+
     def _combine(self) -> None:
-        """The held gradients become earlier + this step's (scale 1 until ``rescale``)."""
+        """The held gradients become earlier + this step's (scale 1 until ``rescale``),
+        added into the earlier tensor, so a loop that zeroes gradients in place
+        (``zero_grad(set_to_none=False)``) keeps the same gradient tensors every step."""
         self._this = [p.grad for p in self._params]
-        for p, earlier, this in zip(self._params, self._earlier, self._this, strict=True):
-            if earlier is not None:
-                p.grad = earlier if this is None else earlier + this
+        with torch.no_grad():
+            for p, earlier, this in zip(self._params, self._earlier, self._this, strict=True):
+                if earlier is not None:
+                    if this is not None:
+                        _local(earlier).add_(_local(this))
+                    p.grad = earlier
 
     def rescale(self, scale: torch.Tensor, step: int) -> None:
         """This step's loss.backward() with gradient ``scale`` (``(loss / k).backward()`` in
@@ -529,14 +546,15 @@ class _Runner:
         if step != self._steps or not self._this:
             raise PipelineError("loss.backward(): under a pipeline plan the forward already ran the "
                                 "step's backward; only the latest step's loss can scale its gradients, once")
+        unscaled = bool(scale == 1)  # loss.backward(): the held gradients are already right
         with torch.no_grad():
             for p, earlier, this in zip(self._params, self._earlier, self._this, strict=True):
                 if this is None:  # no gradient this step: the held one is the earlier calls'
                     continue
                 if earlier is None:  # the held gradient is this step's own
                     _local(this).mul_(scale)
-                else:  # held = earlier + this, recomputed as earlier + scale * this
-                    _local(p.grad).copy_(_local(this)).mul_(scale).add_(_local(earlier))
+                elif not unscaled:  # held = earlier + this, made earlier + scale * this
+                    _local(p.grad).add_(_local(this) * (scale - 1))
         self._earlier, self._this = [], []
 
     def _refuse(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None, kwargs: dict) -> None:
@@ -556,6 +574,13 @@ class _Runner:
             raise PipelineError("model.eval(): under a pipeline plan the forward runs a training step (its "
                                 "backward too), so evaluation is not supported; call model.train(), and "
                                 "evaluate a checkpoint (executor.save) loaded under a plan without pipeline stages")
+        frozen = next((name for name, m in self.model.named_modules() if not m.training), None)
+        if frozen is not None:
+            raise PipelineError(f"{frozen}: in eval mode while the model trains; under a pipeline plan every "
+                                "module trains (each stage's random draws were counted with all modules "
+                                "training, and the schedule runs a stage in one mode), so a submodule frozen "
+                                "in eval mode is not supported; call model.train() (requires_grad_(False) "
+                                "freezes weights without eval mode)")
 
     def _schedule(self, mb: int, seq: int) -> Any:
         """The schedule for micro-batches of ``mb`` x ``seq`` tokens (stages are static-shaped)."""

@@ -94,6 +94,11 @@ def train(plan_json: str, save_to: str | None = None, resume_from: str | None = 
         with pytest.raises(PipelineError) as e:
             model(input_ids=data[0], labels=data[0])
         out["eval"] = str(e.value)
+        model.train()
+        model.model.layers[0].eval()  # a submodule frozen in eval mode (stage 0's, a stand-in on stage 1)
+        with pytest.raises(PipelineError) as e:
+            model(input_ids=data[0], labels=data[0])
+        out["frozen"] = str(e.value)
         with pytest.raises(executor.PlanError) as e:
             model.save_pretrained(f"{save_to}-hf")
         out["save_pretrained"] = str(e.value)
@@ -314,6 +319,16 @@ def test_accumulation_scales_only_what_each_call_computed() -> None:
     call([first.clone()], 65536.0)
     call([second.clone()], 65536.0)
     torch.testing.assert_close(used.grad, 65536.0 * first + 65536.0 * second, rtol=1e-6, atol=0)
+    held = used.grad  # zero_grad(set_to_none=False): the same tensor through later steps
+    held.zero_()
+    call([first.clone()], 1.0)
+    call([second.clone()], 0.5)
+    assert used.grad is held
+    torch.testing.assert_close(held, first + 0.5 * second, rtol=1e-6, atol=0)
+    runner._set_aside()  # a step whose schedule fails keeps the earlier calls' gradients
+    used.grad = torch.ones(1000)
+    runner._put_back()
+    assert used.grad is held
 
 
 def test_forward_without_labels_or_in_eval_mode_says_why(world2: dict) -> None:
@@ -321,6 +336,8 @@ def test_forward_without_labels_or_in_eval_mode_says_why(world2: dict) -> None:
     assert ranks[0][SAVER]["no_labels"].startswith(
         "labels: under a pipeline plan the model's forward runs a whole training step")
     assert ranks[0][SAVER]["eval"].startswith("model.eval(): under a pipeline plan the forward runs a training step")
+    for r in ranks:  # was: the step set it training again, and its dropout drew
+        assert r[SAVER]["frozen"].startswith("model.layers.0: in eval mode while the model trains")
 
 
 def test_batch_rows_draw_the_global_rows_in_any_order() -> None:
