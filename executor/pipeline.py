@@ -499,11 +499,12 @@ class _Runner:
         self._base = state["counter"] if state is not None else 0
         losses: list[torch.Tensor] = []
         first, last = 0 in self.replicas, len(self.cuts.stages) - 1 in self.replicas
+        pending = (self._earlier, self._this)  # the latest step's, until its loss's backward
         self._set_aside()
         try:
             schedule.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}))
         except BaseException:
-            self._put_back()
+            self._put_back(*pending)
             if state is not None:
                 rng.set_state(state)
             raise
@@ -521,11 +522,13 @@ class _Runner:
         for p in self._params:
             p.grad = None
 
-    def _put_back(self) -> None:
-        """A step that failed: the gradients of earlier calls are held again, its own dropped."""
-        for p, earlier in zip(self._params, self._earlier, strict=True):
-            p.grad = earlier
-        self._earlier = []
+    def _put_back(self, earlier: list[torch.Tensor | None], this: list[torch.Tensor | None]) -> None:
+        """A step that failed: the gradients held before it are held again (its own are
+        dropped), and the step before it (``earlier``, ``this``) can still be scaled by
+        its loss's backward."""
+        for p, held in zip(self._params, self._earlier, strict=True):
+            p.grad = held
+        self._earlier, self._this = earlier, this
 
     def _combine(self) -> None:
         """The held gradients become earlier + this step's (scale 1 until ``rescale``),

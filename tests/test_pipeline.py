@@ -325,10 +325,18 @@ def test_accumulation_scales_only_what_each_call_computed() -> None:
     call([second.clone()], 0.5)
     assert used.grad is held
     torch.testing.assert_close(held, first + 0.5 * second, rtol=1e-6, atol=0)
-    runner._set_aside()  # a step whose schedule fails keeps the earlier calls' gradients
+    before = held.clone()
+    runner._set_aside()  # a step whose loss is not scaled yet ...
+    used.grad = first.clone()
+    runner._combine()
+    runner._steps += 1
+    pending = (runner._earlier, runner._this)
+    runner._set_aside()  # ... then a step whose schedule fails: the gradients held before it stay
     used.grad = torch.ones(1000)
-    runner._put_back()
+    runner._put_back(*pending)
     assert used.grad is held
+    runner.rescale(torch.tensor(0.5), runner._steps)  # and the step before it still scales
+    torch.testing.assert_close(held, before + 0.5 * first, rtol=1e-6, atol=0)
 
 
 def test_forward_without_labels_or_in_eval_mode_says_why(world2: dict) -> None:
