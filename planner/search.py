@@ -266,7 +266,8 @@ def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dic
 def mesh_candidates(devices: int, profile: Profile, divisor: int, layers: int,
                     mesh: Mapping[str, int] | None, unpipelined: str | None = None,
                     ) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
-    """Named mesh shapes to try: dims ordered pp, dp, tp (tp innermost: inside a node).
+    """Named mesh shapes to try: dims ordered pp, dp, tp (tp innermost, so inside a node
+    where it fits in one).
     ``unpipelined``: why the model cannot be cut into pipeline stages (no pp then)."""
     order = ("pp", "dp", "tp")
     if mesh is not None:
@@ -290,15 +291,18 @@ def mesh_candidates(devices: int, profile: Profile, divisor: int, layers: int,
         ordered = sorted(mesh, key=order.index)
         return [(tuple(ordered), tuple(int(mesh[n]) for n in ordered))]
     node = profile.levels[0].devices or devices
-    tps = [t for t in (1, 2, 4, 8, 16) if t <= min(node, devices) and devices % t == 0
+    # tp beyond a node too: the cost model prices it on the outer level, and where a node
+    # holds one or two devices it is the only tensor parallelism there is
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= devices and devices % t == 0
            and (t == 1 or divisor % t == 0)]
     out = [(("dp", "tp"), (devices // t, t)) if t > 1 else (("dp",), (devices,)) for t in tps]
     # Pipelining pays off across nodes: try pp with a full node of tp (and half of one).
     if devices > node and not unpipelined:
         for pp in (2, 4, 8, 16):
-            for t in tps[-2:]:
-                if devices % (pp * t) == 0 and pp <= layers // 2 and t > 1:
-                    out.append((("pp", "dp", "tp"), (pp, devices // (pp * t), t)))
+            for t in [t for t in tps if t <= node][-2:]:
+                if devices % (pp * t) == 0 and pp <= layers // 2:
+                    out.append((("pp", "dp", "tp"), (pp, devices // (pp * t), t)) if t > 1
+                               else (("pp", "dp"), (pp, devices // pp)))
     return out
 
 
@@ -345,8 +349,6 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
         schedules = fixed["schedules"] if fixed else SCHEDULES
         micro = [fixed["microbatches"]] if fixed else [
             m for m in (1, 2, 4, 8, 16, 32, 64, 128) if (batch // dp) % m == 0 and m >= pp]
-        if pp > 1 and not fixed:
-            micro = micro[:2]  # the fewest that keep every stage busy, and twice that
         why = (f"{batch} is not divisible by dp={dp}" if batch % dp else
                None if micro else f"{batch // dp} sequences per dp rank cannot keep pp={pp} stages busy")
         if why:
@@ -354,14 +356,20 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
             blocked.append(f"{why} ({_mesh_label(mesh_d)})")
             continue
         for fsdp in fsdp_modes:
+            label = f"{'x'.join(f'{k}={v}' for k, v in mesh_d.items())} {'fsdp' if fsdp else 'replicate'}"
             ckpts = [fixed["checkpointing"]] if fixed else ["none", "selective", "full"]
-            found = None
+            found, late, fewest_fits = None, False, False
             for ckpt in ckpts:
+                # micro-batch counts from the fewest that fits: without a pipeline more only
+                # cost time (the first that fits is the one), with one the fewest that fits
+                # and twice that (a smaller bubble against smaller GEMMs)
+                solved = 0
                 for m in micro:
                     ctx = _context(profile, sub_names, sub_shape, batch, seq, m, fsdp, ckpt, divisor,
                                    graph.graph.get("itemsize", 4))
                     left = deadline - time.perf_counter() if deadline else None
                     if left is not None and left <= 0 and best is not None:
+                        late = True
                         break
                     units, unit_of = _units(ctx, graph, pins)
                     if any(not u.choices for u in units.values()):
@@ -377,15 +385,18 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                         continue
                     if found is None or cand.prediction.time.step_time_s < found.prediction.time.step_time_s:
                         found = cand
-                    if pp == 1:
-                        break  # more micro-batches only cost time without a pipeline
-                if found and ckpt == "none":
-                    break  # nothing recomputed: checkpointing cannot be faster
-            label = f"{'x'.join(f'{k}={v}' for k, v in mesh_d.items())} {'fsdp' if fsdp else 'replicate'}"
+                    fewest_fits = fewest_fits or (ckpt == "none" and m == micro[0])
+                    solved += 1
+                    if solved == (1 if pp == 1 else 2):
+                        break
+                if late:
+                    break
+                if fewest_fits:
+                    break  # no recomputation fits at the fewest micro-batches: checkpointing cannot be faster
             if not found:
-                alternatives.append(Alternative(mesh=mesh_d, step_time_s=None, fits=False,
-                                                note=f"{label}: nothing fits"))
-                progress(f"  {label}: no layout fits")
+                note = "skipped (time limit)" if late else "nothing fits"
+                alternatives.append(Alternative(mesh=mesh_d, step_time_s=None, fits=False, note=f"{label}: {note}"))
+                progress(f"  {label}: {'skipped (time limit)' if late else 'no layout fits'}")
                 continue
             p = found.prediction
             extra = f", schedule={found.schedule}" if found.pp > 1 else ""
