@@ -22,6 +22,11 @@ between their runs and ours, as far as the sources say:
   the SXM part's, so they over-predict by construction, by an unknown factor (NVL's bf16
   peak is 84% of SXM's).
 
+Every published run is priced (``require_fit=False``: they ran); ``fits`` says whether
+the planner would take the layout, i.e. whether the predicted peak is within 90% of the
+memory (``cost_model.memory.DEFAULT_HEADROOM``).  The predicted peak includes what FSDP2
+holds gathered (``fsdp_gathered_bytes``).
+
     python -m bench.costmodel_published
 """
 
@@ -81,7 +86,8 @@ def main() -> None:
     print("TorchTitan's published eager bf16 FSDP2 throughputs against `meshplan estimate` "
           "(dp = GPUs, fsdp, the same checkpointing, global batch = local batch x GPUs)")
     print(f"{'model':<13} {'GPUs':>4} {'profile':<13} {'batch':>5} {'seq':>5} {'ckpt':<9} "
-          f"{'published':>9} {'predicted':>9} {'error':>7} {'MFU pred':>8} {'GiB pred':>8} {'published':>9}")
+          f"{'published':>9} {'predicted':>9} {'error':>7} {'MFU pred':>8} {'GiB pred':>8} {'fits':>4} "
+          f"{'published':>9}")
     errors: dict[str, list[float]] = {}
     for c in CASES:
         name = c.profile if isinstance(c.profile, str) else c.profile["name"]
@@ -89,7 +95,7 @@ def main() -> None:
         try:
             p = planner.estimate(c.model, c.gpus, c.profile, dp=c.gpus, fsdp=True,
                                  checkpointing=c.checkpointing, batch_size=c.local_batch * c.gpus,
-                                 seq_len=c.seq_len)
+                                 seq_len=c.seq_len, require_fit=False)  # they ran: price them anyway
         except planner.PlanningError as e:
             print(f"{c.label:<13} {c.gpus:>4} {name:<13} {c.local_batch:>5} {c.seq_len:>5} "
                   f"{c.checkpointing:<9} {c.tokens_per_s_per_gpu:>9.0f}  not estimated: {e}")
@@ -98,7 +104,7 @@ def main() -> None:
         errors.setdefault(name, []).append(error)
         print(f"{c.label:<13} {c.gpus:>4} {name:<13} {c.local_batch:>5} {c.seq_len:>5} "
               f"{c.checkpointing:<9} {c.tokens_per_s_per_gpu:>9.0f} {p.tokens_per_s_per_device:>9.0f} "
-              f"{error:>+7.0%} {p.mfu:>8.2f} {p.memory.total / 2**30:>8.1f} "
+              f"{error:>+7.0%} {p.mfu:>8.2f} {p.memory.total / 2**30:>8.1f} {'yes' if p.memory.fits else 'no':>4} "
               f"{'' if c.memory_gib is None else c.memory_gib:>9}  ({time.perf_counter() - start:.1f} s)")
     for profile, errs in errors.items():
         print(f"{profile}: median error {statistics.median(errs):+.0%} over {len(errs)} runs, "

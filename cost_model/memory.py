@@ -132,6 +132,24 @@ def korthikanti_activation_bytes(
     return layers * per_layer
 
 
+def fsdp_gathered_bytes(root_params: float, layer_params: float, optimizer: str, fsdp_degree: int) -> float:
+    """Bytes FSDP2 holds unsharded, on top of the shards at rest, when the backward starts.
+
+    ``executor.apply`` makes one FSDP2 unit per repeated layer plus the root (embedding,
+    final norm, output projection); ``root_params`` and ``layer_params`` are the
+    parameters of the root and of the largest layer on one device before FSDP's division
+    (after tensor parallelism's).  FSDP2 does not reshard the root after forward and
+    reduce-scatters its gradients only when the whole backward is done, so the root's
+    unsharded weights and gradients (the output projection's comes first) are held
+    throughout; of the layers, the one computing and the one prefetched hold their
+    weights, and the computing one its unsharded gradients until their reduce-scatter.
+    Without fully sharded dims (``fsdp_degree`` 1) nothing is gathered."""
+    if fsdp_degree <= 1:
+        return 0.0
+    per = state_bytes_per_param(optimizer)
+    return root_params * (per.weights + per.grads) + layer_params * (2 * per.weights + per.grads)
+
+
 def inflight_microbatches(
     schedule: Schedule, pp: int, microbatches: int, stage: int = 0, virtual_stages: int = 1
 ) -> float:

@@ -18,10 +18,15 @@ from dataclasses import dataclass
 import networkx as nx
 
 from cost_model.comm import collective_time
-from cost_model.memory import inflight_microbatches, state_bytes_per_param, usable_bytes
+from cost_model.memory import (
+    fsdp_gathered_bytes,
+    inflight_microbatches,
+    state_bytes_per_param,
+    usable_bytes,
+)
 from cost_model.step import StageCost, StepBreakdown, bucket_latency, compose_step, optimizer_time
 from planner.ilp import Solution
-from planner.strategies import Context, Unit, fsdp_host_s, loss_mean_s
+from planner.strategies import Context, Unit, fsdp_degree, fsdp_host_s, loss_mean_s
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Stage:
     cost: StageCost
     memory: float
     state_bytes: float  # the model states (weights, grads, optimizer) part of memory
+    gathered: float  # what FSDP2 holds unsharded besides (cost_model.memory.fsdp_gathered_bytes)
 
 
 def _first_nodes(graph: nx.DiGraph) -> set[str]:
@@ -144,8 +150,9 @@ def split_parts(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: So
 
 
 def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, last: Part,
-           schedule: str, virtual: int, p2p_s: float) -> tuple[StageCost, float, float]:
-    """(cost, memory, model-state bytes) of stage ``index`` holding ``n`` layers."""
+           schedule: str, virtual: int, p2p_s: float) -> tuple[StageCost, float, float, float]:
+    """(cost, memory, model-state bytes, FSDP2's gathered bytes) of stage ``index`` holding
+    ``n`` layers."""
     part = layer * n + (first if index == 0 else Part()) + (last if index == pp - 1 else Part())
     per = state_bytes_per_param(ctx.optimizer)
     compute = part.compute_s + fsdp_host_s(ctx, n + 1, part.state_bytes * per.weights / per.total) / ctx.microbatches
@@ -164,7 +171,12 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
                                    ctx.optimizer),
     )
     inflight = inflight_microbatches(schedule, pp, ctx.microbatches, index, virtual)
-    return cost, part.state_bytes + part.act_bytes * inflight, part.state_bytes
+    # the stage's root unit holds the embedding (first stage) and the head (last stage)
+    degree = fsdp_degree(ctx)
+    root = (first.state_bytes if index == 0 else 0.0) + (last.state_bytes if index == pp - 1 else 0.0)
+    gathered = fsdp_gathered_bytes(root * degree / per.total, layer.state_bytes * degree / per.total,
+                                   ctx.optimizer, degree)
+    return cost, part.state_bytes + part.act_bytes * inflight + gathered, part.state_bytes, gathered
 
 
 def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last: Part,
@@ -172,9 +184,9 @@ def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last
     """Contiguous layer counts per stage minimising the slowest stage within ``budget``
     bytes per device (DP)."""
     inf = (math.inf, None)
-    memo: dict[tuple[int, int], tuple[StageCost, float, float]] = {}
+    memo: dict[tuple[int, int], tuple[StageCost, float, float, float]] = {}
 
-    def stage(i: int, n: int) -> tuple[StageCost, float, float]:
+    def stage(i: int, n: int) -> tuple[StageCost, float, float, float]:
         if (i, n) not in memo:  # layers are identical: a stage is its index and size
             memo[i, n] = _stage(ctx, pp, i, n, layer, first, last, schedule, virtual, p2p_s)
         return memo[i, n]
@@ -191,7 +203,7 @@ def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last
                     continue
                 if n % virtual:
                     continue
-                cost, mem, _ = stage(i, n)
+                cost, mem, _, _ = stage(i, n)
                 if mem > budget:
                     continue
                 t = cost.forward_compute_s + cost.backward_compute_s + cost.blocking_comm_s
@@ -203,8 +215,8 @@ def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last
         return None
     stages, start = [], 0
     for i, n in enumerate(counts):
-        cost, mem, state = stage(i, n)
-        stages.append(Stage((start, start + n), i == 0, i == pp - 1, cost, mem, state))
+        cost, mem, state, gathered = stage(i, n)
+        stages.append(Stage((start, start + n), i == 0, i == pp - 1, cost, mem, state, gathered))
         start += n
     return stages
 

@@ -147,6 +147,9 @@ class MemoryBreakdown(_Strict):
     gradients: int = Field(ge=0)
     optimizer: int = Field(ge=0)
     activations: int = Field(ge=0)
+    fsdp_gathered: int = Field(default=0, ge=0, description=(
+        "parameters and gradients FSDP2 holds unsharded when the backward starts, on top of the "
+        "shards counted above (the root unit's, and a layer computing plus one prefetched)"))
     total: int = Field(ge=0)
     capacity: int = Field(ge=0)
     fits: bool

@@ -26,7 +26,7 @@ import networkx as nx
 import torch
 
 from cost_model.compute import peak_flops
-from cost_model.memory import state_bytes_per_param, usable_bytes
+from cost_model.memory import fsdp_gathered_bytes, state_bytes_per_param, usable_bytes
 from cost_model.profile import Profile, load_profile
 from cost_model.step import (
     StageCost,
@@ -72,8 +72,10 @@ from planner.strategies import (
     build_units,
     canonical_map,
     concrete,
+    fsdp_degree,
     fsdp_host_s,
     loss_mean_s,
+    unit_params,
 )
 from planner.tracer import totals, trace
 
@@ -150,11 +152,11 @@ def _context(profile: Profile, names: Sequence[str], shape: Sequence[int], batch
 
 
 def _prediction(ctx: Context, graph: nx.DiGraph, b: StepBreakdown, state: Sequence[float],
-                acts: float, devices: int) -> Prediction:
-    total = int(sum(state) + acts)
+                acts: float, devices: int, gathered: float) -> Prediction:
+    total = int(sum(state) + acts + gathered)
     memory = MemoryBreakdown(
         parameters=int(state[0]), gradients=int(state[1]), optimizer=int(state[2]),
-        activations=int(acts), total=total, capacity=ctx.profile.memory_bytes,
+        activations=int(acts), fsdp_gathered=int(gathered), total=total, capacity=ctx.profile.memory_bytes,
         fits=total <= usable_bytes(ctx.profile),
     )
     tokens = ctx.batch_size * ctx.seq_len
@@ -220,8 +222,11 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
         layers=max(graph.graph["layers"], 1), overlap_exposure=ctx.profile.overlap_exposure,
     )
     acts = sum(c.act_bytes for c in chosen)
+    placed = {fqn_pattern(f): pl for c in chosen for f, pl in c.weights.items()}
+    gathered = fsdp_gathered_bytes(*unit_params(ctx, graph.graph["param_shapes"], placed), ctx.optimizer,
+                                   fsdp_degree(ctx))
     return _prediction(ctx, graph, compose_step([stage], microbatches=m), state, acts,
-                       math.prod(ctx.mesh_shape))
+                       math.prod(ctx.mesh_shape), gathered)
 
 
 def _units(ctx: Context, graph: nx.DiGraph, pins: Callable[[Unit], None] | None
@@ -244,13 +249,20 @@ def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dic
         for fqn in {f for c in u.choices for f in c.weights}:
             tied.setdefault(fqn, []).append(k)
     tied = {f: ks for f, ks in tied.items() if len(ks) > 1}
-    budget = usable_bytes(ctx.profile)
+    # FSDP2's gathered units, as a tensor-parallel layout would shard them (the ILP's
+    # memory is a sum over units, this a maximum over them); under pp the root's embedding
+    # and head are on different stages
+    root, layer = unit_params(ctx, graph.graph["param_shapes"])
+    budget = usable_bytes(ctx.profile) - fsdp_gathered_bytes(root / pp, layer, ctx.optimizer, fsdp_degree(ctx))
     if lift_memory:  # PuLP refuses an infinite bound: the largest choice per unit never binds
         budget = max(budget, 1 + sum(max(sum(c.state) / pp + c.act_bytes for c in u.choices)
                                      for u in units.values()))
     sol = solve(ctx, units, tmap, budget, tied, time_limit_s, state_divisor=pp)
     if pp == 1:
-        return Candidate(ctx, units, sol, evaluate(ctx, graph, units, sol))
+        pred = evaluate(ctx, graph, units, sol)
+        if not pred.memory.fits and not lift_memory:  # the layout gathers more than estimated
+            raise InfeasibleError(f"the layout needs {_bytes_text(pred.memory.total)} per device")
+        return Candidate(ctx, units, sol, pred)
     found = best_pipeline(ctx, graph, units, sol, pp, schedules, math.inf if lift_memory else None)
     if found is None:
         raise InfeasibleError(f"no split of {graph.graph['layers']} layers into {pp} stages fits")
@@ -258,8 +270,8 @@ def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dic
     heavy = max(stages, key=lambda st: st.memory)
     whole = [sum(c.state[i] for c in sol.choice.values()) for i in range(3)]
     state = [w * heavy.state_bytes / sum(whole) for w in whole]  # the stage's states, split as the model's
-    pred = _prediction(ctx, graph, b, state, heavy.memory - sum(state),
-                       pp * math.prod(ctx.mesh_shape))
+    pred = _prediction(ctx, graph, b, state, heavy.memory - sum(state) - heavy.gathered,
+                       pp * math.prod(ctx.mesh_shape), heavy.gathered)
     return Candidate(ctx, units, sol, pred, pp, stages, schedule, virtual)
 
 

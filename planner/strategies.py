@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -40,6 +40,7 @@ from cost_model.comm import collective_time
 from cost_model.compute import column_factor, fresh_pages_time, op_time
 from cost_model.profile import Profile
 from cost_model.step import fsdp_host_time
+from planner.schema import fqn_pattern
 from planner.tracer import layer_weight
 
 ANCHOR_OPS = {"linear", "addmm", "embedding", "scaled_dot_product_attention", "grouped_mm"}
@@ -517,6 +518,37 @@ def loss_mean_s(ctx: Context) -> float:
 
     data_dims = [i for i, name in enumerate(ctx.mesh_names) if name == "dp"]
     return loss_mean_time(ctx.profile, ctx.mesh_shape, data_dims)
+
+
+def fsdp_degree(ctx: Context) -> int:
+    """Ranks a fully sharded parameter is split over (1 without fully sharded dims)."""
+    return math.prod(n for name, n in zip(ctx.mesh_names, ctx.mesh_shape) if name in ctx.fsdp)
+
+
+def unit_params(ctx: Context, param_shapes: Mapping[str, Sequence[int]],
+                placed: Mapping[str, Sequence[str]] | None = None) -> tuple[float, float]:
+    """(root, largest layer) parameters on one device before FSDP's division, for the FSDP2
+    units ``executor.apply`` makes (one per repeated layer, the rest in the root).
+
+    ``placed``: placements per parameter pattern (a solved layout); without it every
+    matrix is taken as split over the model-parallel dims and every vector as whole, as
+    tensor-parallel layouts place them (the estimate before the ILP has chosen)."""
+    split = math.prod(ctx.mesh_shape[i] for i in ctx.free_dims)
+    root, layers = 0.0, defaultdict(float)
+    for fqn, shape in param_shapes.items():
+        numel = math.prod(shape)
+        if placed is None:
+            local = numel / split if len(shape) >= 2 else numel
+        else:
+            pl = placed.get(fqn_pattern(fqn), ("R",) * len(ctx.mesh_shape))
+            local = numel / math.prod(ctx.mesh_shape[i] for i in ctx.free_dims if pl[i].startswith("S("))
+        parts = fqn.split(".")
+        at = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        if at is None:
+            root += local
+        else:
+            layers[".".join(parts[:at + 1])] += local
+    return root, max(layers.values(), default=0.0)
 
 
 def fsdp_host_s(ctx: Context, units: int, weight_bytes: float) -> float:

@@ -80,7 +80,7 @@ def render_prediction(pred: Prediction) -> str:
     memory = table(["memory per device", "bytes"], [
         ("parameters", gib(m.parameters)), ("gradients", gib(m.gradients)),
         ("optimizer", gib(m.optimizer)), ("activations", gib(m.activations)),
-        ("total", gib(m.total)), ("capacity", gib(m.capacity))])
+        ("FSDP2 gathered", gib(m.fsdp_gathered)), ("total", gib(m.total)), ("capacity", gib(m.capacity))])
     return "\n\n".join([head, times, memory])
 
 

@@ -24,6 +24,7 @@ from cost_model.compute import gemm_efficiency, op_time
 from cost_model.memory import (
     DEFAULT_HEADROOM,
     fits,
+    fsdp_gathered_bytes,
     inflight_microbatches,
     korthikanti_activation_bytes,
     model_state_bytes,
@@ -538,6 +539,26 @@ def test_model_state_bytes():
         model_state_bytes(n, "lion")
     with pytest.raises(ValueError, match="shard_degree"):
         model_state_bytes(n, shard_degree=0)
+
+
+def test_fsdp_gathered_units_on_top_of_the_shards():
+    """FSDP2 holds the root unit gathered with its gradients through the step, and a layer
+    computing plus one prefetched: Llama 3 8B's root (embedding, head, final norm) and
+    one of its 32 layers, in bf16 mixed precision, on 8 fully sharded ranks."""
+    root, layer = 2 * 128256 * 4096 + 4096, (8_030_261_248 - (2 * 128256 * 4096 + 4096)) // 32
+    assert layer == 218_112_000
+    assert fsdp_gathered_bytes(root, layer, "adam-mixed", 8) == root * (2 + 2) + layer * (2 * 2 + 2)
+    assert fsdp_gathered_bytes(root, layer, "adam-fp32", 8) == root * (4 + 4) + layer * (2 * 4 + 4)
+    assert fsdp_gathered_bytes(root, layer, "adam-mixed", 1) == 0  # nothing fully sharded
+    import planner
+
+    kw = dict(batch_size=16, seq_len=4096, microbatches=2)
+    fsdp = planner.estimate("llama3-8b", 8, "h100-sxm-80g", dp=8, fsdp=True, **kw).memory
+    assert fsdp.fsdp_gathered == root * 4 + layer * 6  # ~5.1 GiB: was left to the headroom
+    parts = fsdp.parameters + fsdp.gradients + fsdp.optimizer + fsdp.activations + fsdp.fsdp_gathered
+    assert abs(fsdp.total - parts) <= 4  # each field rounded down on its own
+    tp = planner.estimate("llama3-8b", 8, "h100-sxm-80g", dp=1, tp=8, sp=True, **kw).memory
+    assert tp.fsdp_gathered == 0
 
 
 def test_korthikanti_formulas():

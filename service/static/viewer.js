@@ -214,7 +214,8 @@ function legendRow(parts, fmt) {
 
 function memorySection(plan) {
   const m = plan.prediction.memory;
-  const parts = [["parameters", m.parameters], ["gradients", m.gradients], ["optimizer", m.optimizer], ["activations", m.activations]];
+  const parts = [["parameters", m.parameters], ["gradients", m.gradients], ["optimizer", m.optimizer], ["activations", m.activations],
+    ["fsdp_gathered", m.fsdp_gathered || 0]];
   const scale = Math.max(m.total, m.capacity, 1);
   return section("Memory per device (most loaded device)",
     el("div", { id: "memory-bar" }, stackedBar(parts, scale, m.capacity)), legendRow(parts, fmtBytes),
