@@ -531,15 +531,22 @@ class _LastConversion:
         if self._entry is None:
             return None
         src, version, want, out = self._entry
-        return out if src() is t and t._version == version and want == target else None
+        return out if src() is t and _version(t) == version and want == target else None
 
     def put(self, t: torch.Tensor, target: list[Placement], out: torch.Tensor) -> torch.Tensor:
-        self._entry = (weakref.ref(t, self._drop), t._version, target, out)
+        self._entry = (weakref.ref(t, self._drop), _version(t), target, out)
         return out
 
     def _drop(self, ref: weakref.ref) -> None:
         if self._entry is not None and self._entry[0] is ref:
             self._entry = None
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s in-place version; -1 for a tensor made under ``torch.inference_mode``, which
+    has none (changing one in place between q, k and v's projections goes unseen there,
+    as sharing the conversion is also what a learned local region replays)."""
+    return -1 if t.is_inference() else t._version
 
 
 def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLayout,
@@ -654,7 +661,7 @@ def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tens
                 kwargs = {**kwargs, "use_cache": False}
             elif kwargs["use_cache"] and no_cache and (tensor_parallel or (mod.training and torch.is_grad_enabled())):
                 raise ValueError(f"use_cache=True: a key/value cache is not supported under a {no_cache}; "
-                                 "pass use_cache=False or leave it unset")
+                                 "pass use_cache=False (to generate(), which turns the cache on by default, too)")
         if batch is not None:
             args, kwargs = batch.slice(args, kwargs)
         if tensor_parallel:

@@ -902,7 +902,10 @@ def _attention(
             # zeros_like: a DTensor mask (a padding mask split with the batch) stays one
             attn_mask = torch.zeros_like(attn_mask, dtype=scores.dtype).masked_fill(~attn_mask, float("-inf"))
         scores = scores + _like_layout(attn_mask, scores)
-    return drop(torch.softmax(scores, dim=-1)) @ value
+    # torch's SDPA gives a query that may attend to nothing (a left-padded position) zero
+    # weights, as its math path does with this op; softmax would give NaN, which spreads
+    # through the backward to every parameter
+    return drop(torch.ops.aten._safe_softmax(scores, -1)) @ value
 
 
 def _heads_sharded_alike(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

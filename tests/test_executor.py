@@ -163,6 +163,9 @@ def train(case: Case, plan_json: str | None = None) -> dict[str, Any]:
     model.eval()  # validation after training: no dropout, no gradients
     with torch.no_grad():
         evaluation = loss_of(model, case, *data[0]).item()
+    if not case.padded:  # as eval loops often run it (its tensors have no version counter);
+        with torch.inference_mode():  # a padding mask is a known limit there (docs)
+            assert loss_of(model, case, *data[0]).item() == evaluation
     return {"losses": losses, "grads": grads, "params": _full(dict(model.named_parameters())),
             "local": executor.local_regions.running_locally(model), "eval": evaluation}
 

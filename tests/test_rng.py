@@ -546,6 +546,20 @@ def test_attention_decomposition_matches_explicit_math() -> None:
     assert torch.equal(grouped, repeated)
 
 
+def test_attention_dropout_on_a_query_that_attends_to_nothing_is_zero_not_nan() -> None:
+    """A left-padded position masks every key: torch's SDPA gives it zero weights; the
+    explicit softmax gave NaN, and the backward spread it to every parameter."""
+    q, k, v = (t.detach().requires_grad_() for t in _attn_inputs())
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    mask[:2] = False  # the first two queries see nothing
+    rng.manual_seed(SEED)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.25)
+    out.sum().backward()
+    assert torch.equal(out[..., :2, :], torch.zeros_like(out[..., :2, :]))
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    torch.testing.assert_close(out[..., :2, :], F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[..., :2, :])
+
+
 def test_activation_checkpoint_replays_masks() -> None:
     from torch.utils.checkpoint import checkpoint
 
