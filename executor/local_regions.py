@@ -301,10 +301,17 @@ class Region:
                 _LOG.info("executor: %s stays on DTensor while its call carries a %s "
                           "(use_cache=False keeps it local)", self.fqn, type(stateful).__name__)
             return self.forward(*args, **kwargs)
-        key = (str(spec), *((type(t).__name__, tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t)
-                            for t in leaves))
+        shapes = (str(spec), *((type(t).__name__, tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t)
+                               for t in leaves))
+        if not torch.is_grad_enabled():  # no gradients to place: any tape of these shapes replays
+            tape = next((t for (s, _), t in self.tapes.items() if s == shapes and t is not None), None)
+            return self.forward(*args, **kwargs) if tape is None else self._replay(tape, args, kwargs)
+        # what needs a gradient is part of the key: a tape recorded while a parameter or an
+        # input was frozen holds no layout for its gradient (unfreezing later replayed wrong ones)
+        key = (shapes, tuple(p.requires_grad for p in self.module.parameters())
+               + tuple(t.requires_grad for t in leaves if isinstance(t, torch.Tensor)))
         if key not in self.tapes:
-            if not torch.is_grad_enabled() or len(self.tapes) >= MAX_SHAPES or _hooked_globally():
+            if len(self.tapes) >= MAX_SHAPES or _hooked_globally():
                 return self.forward(*args, **kwargs)
             self.tapes[key] = self._learn(args, kwargs)
         tape = self.tapes[key]
