@@ -100,8 +100,14 @@ def _cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tens
                                  else any(not isinstance(p, Replicate) for p in token_placements)):
         mesh_dim = None  # a target sharded otherwise, or plain where the tokens are sharded
     if mesh_dim is None:
-        whole = [Replicate() if isinstance(p, Shard) and p.dim == _CLASS_DIM else p
+        # a mean over token shards is DTensor's mean of the shards' means, not the mean over
+        # the tokens ignore_index leaves (logits split by sequence, from a replicated head
+        # under sequence parallelism, flatten to a _StridedShard): for "mean" the tokens
+        # are gathered too
+        whole = [Replicate() if reduction == "mean" or (isinstance(p, Shard) and p.dim == _CLASS_DIM) else p
                  for p in input.placements]
+        if reduction == "mean" and isinstance(target, DTensor):
+            target = target.redistribute(target.device_mesh, [Replicate()] * target.device_mesh.ndim)
         return F.cross_entropy(input.redistribute(input.device_mesh, whole), target, weight,
                                size_average, ignore_index, reduce, reduction, label_smoothing)
     mesh = input.device_mesh

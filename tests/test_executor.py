@@ -82,6 +82,7 @@ class Case:
     bias: bool = False  # Llama with attention and MLP biases (row-parallel o_proj / down_proj biases)
     rows: int = BATCH  # global batch in sequences
     unfreeze: bool = False  # embedding and layer 0 frozen before apply, trained from the second step
+    tied: bool = False  # tie_word_embeddings: the plan leaves the head replicated
 
     @property
     def name(self) -> str:
@@ -90,13 +91,13 @@ class Case:
                                  ("logits-loss", self.logits_loss),
                                  ("vocab-embedding", self.vocab_embedding), ("padded", self.padded),
                                  ("bias", self.bias), (f"rows{self.rows}", self.rows != BATCH),
-                                 ("unfreeze", self.unfreeze)) if on]
+                                 ("unfreeze", self.unfreeze), ("tied", self.tied)) if on]
         ac = [] if self.checkpointing == "none" else [f"ac-{self.checkpointing}"]
         return "-".join([self.model, mesh, *flags, *ac, f"drop{self.dropout}"])
 
     def reference(self) -> Case:
         return Case(self.model, dropout=self.dropout, logits_loss=self.logits_loss, padded=self.padded,
-                    bias=self.bias, rows=self.rows, unfreeze=self.unfreeze)
+                    bias=self.bias, rows=self.rows, unfreeze=self.unfreeze, tied=self.tied)
 
 
 def build(case: Case) -> nn.Module:
@@ -106,7 +107,8 @@ def build(case: Case) -> nn.Module:
             model = (MLP if case.model == "mlp" else CenteredMLP)(case.dropout)
     elif case.model in ("llama", "qwen2", "mistral"):  # qwen2 adds q/k/v biases
         cfg = {**PRESETS["llama-tiny"], "model_type": case.model, "attention_dropout": case.dropout,
-               **({"attention_bias": True, "mlp_bias": True} if case.bias else {})}
+               **({"attention_bias": True, "mlp_bias": True} if case.bias else {}),
+               **({"tie_word_embeddings": True} if case.tied else {})}
         model = build_model(load_config(cfg), device=device)
     else:
         p = case.dropout
@@ -247,6 +249,9 @@ CASES_2 = [
     # gradual unfreezing: layers learned their local shards while their parameters or
     # inputs needed no gradient, and replayed that after unfreezing (gradients off by ~90%)
     Case("llama", {"tp": 2}, sp=True, dropout=0.1, unfreeze=True),
+    # a replicated head under sequence parallelism hands the loss sequence-split logits,
+    # whose mean DTensor took per shard (the reported loss was a mean of shard means)
+    Case("llama", {"tp": 2}, sp=True, padded=True, tied=True),
 ]
 
 
@@ -325,7 +330,7 @@ def test_tensor_parallel_blocks_run_on_local_shards(world2: dict, world4: dict) 
         if name.startswith(("llama-tp2", "qwen2-tp2", "mistral-tp2", "llama-dp2xtp2")) and "-bias-" not in name:
             assert result["local"] == (whole if "-sp-" in name else blocks), name
             checked += 1
-    assert checked == 8
+    assert checked == 9
     assert world2[Case("centered-mlp", {"tp": 2}, dropout=0.1).name]["local"] == []
     # a row-parallel bias is added once to the sum of the shards' products; the local run
     # adds it on every rank, which the check, run on parameters of a fixed pattern rather
