@@ -229,6 +229,15 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
                        math.prod(ctx.mesh_shape), gathered)
 
 
+def _gathered_estimate(ctx: Context, graph: nx.DiGraph, pp: int) -> float:
+    """FSDP2's gathered units before the ILP has placed anything, as a tensor-parallel
+    layout shards them (the ILP's memory is a sum over units, this a maximum over them,
+    so it is held back from the ILP's budget); under pp the root's embedding and head are
+    on different stages."""
+    root, layer = unit_params(ctx, graph.graph["param_shapes"])
+    return fsdp_gathered_bytes(root / pp, layer, ctx.optimizer, fsdp_degree(ctx))
+
+
 def _units(ctx: Context, graph: nx.DiGraph, pins: Callable[[Unit], None] | None
            ) -> tuple[dict[str, Unit], dict[str, str]]:
     units, unit_of = build_units(ctx, graph)
@@ -249,11 +258,7 @@ def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dic
         for fqn in {f for c in u.choices for f in c.weights}:
             tied.setdefault(fqn, []).append(k)
     tied = {f: ks for f, ks in tied.items() if len(ks) > 1}
-    # FSDP2's gathered units, as a tensor-parallel layout would shard them (the ILP's
-    # memory is a sum over units, this a maximum over them); under pp the root's embedding
-    # and head are on different stages
-    root, layer = unit_params(ctx, graph.graph["param_shapes"])
-    budget = usable_bytes(ctx.profile) - fsdp_gathered_bytes(root / pp, layer, ctx.optimizer, fsdp_degree(ctx))
+    budget = usable_bytes(ctx.profile) - _gathered_estimate(ctx, graph, pp)
     if lift_memory:  # PuLP refuses an infinite bound: the largest choice per unit never binds
         budget = max(budget, 1 + sum(max(sum(c.state) / pp + c.act_bytes for c in u.choices)
                                      for u in units.values()))
@@ -386,14 +391,15 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                     units, unit_of = _units(ctx, graph, pins)
                     if any(not u.choices for u in units.values()):
                         continue  # the pins leave this unit nothing on this mesh
-                    if min_memory(units, pp) > usable_bytes(profile) and not lift_memory:
-                        leanest = min(leanest, min_memory(units, pp))
+                    need = min_memory(units, pp) + _gathered_estimate(ctx, graph, pp)
+                    if need > usable_bytes(profile) and not lift_memory:
+                        leanest = min(leanest, need)
                         continue  # cannot fit: skip the solve
                     try:
                         cand = _solve(ctx, graph, units, unit_of, max(left, 1.0) if left else None,
                                       pp, schedules, lift_memory)
                     except InfeasibleError:
-                        leanest = min(leanest, min_memory(units, pp))
+                        leanest = min(leanest, need)
                         continue
                     if found is None or cand.prediction.time.step_time_s < found.prediction.time.step_time_s:
                         found = cand
