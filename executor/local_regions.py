@@ -58,7 +58,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from executor import rng
 
 _LOG = logging.getLogger(__name__)
-MAX_SHAPES = 4  # input-shape signatures learned per region; others run through DTensor
+MAX_SHAPES = 4  # signatures (input shapes, what needs a gradient) learned per region; others run on DTensor
 # What a region's call may carry besides tensors for it to learn and replay: values no run
 # can change (a cache object, which the body appends to, keeps the region on DTensor).
 _VALUES = (torch.Tensor, type(None), bool, int, float, complex, str, torch.dtype, torch.device,
