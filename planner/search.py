@@ -18,7 +18,7 @@ import functools
 import math
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,7 +169,12 @@ def _prediction(ctx: Context, graph: nx.DiGraph, b: StepBreakdown, state: Sequen
     )
 
 
-def _partial_grads(ctx: Context, graph: nx.DiGraph, chosen: Sequence[Choice]
+def _placed(chosen: Iterable[Choice]) -> dict[str, tuple[str, ...]]:
+    """The solved placements per parameter pattern."""
+    return {fqn_pattern(f): pl for c in chosen for f, pl in c.weights.items()}
+
+
+def _partial_grads(ctx: Context, graph: nx.DiGraph, placed: Mapping[str, tuple[str, ...]]
                    ) -> list[tuple[str, float, int]]:
     """(collective, local gradient bytes, mesh dim) per gradient left Partial on a dim.
 
@@ -180,7 +185,6 @@ def _partial_grads(ctx: Context, graph: nx.DiGraph, chosen: Sequence[Choice]
     residual stream's gradient is reduced at each column-parallel block input, Megatron's
     f, which the ILP charges as ``ilp.partial_grad_s``.)
     """
-    placed = {fqn_pattern(f): pl for c in chosen for f, pl in c.weights.items()}
     per = state_bytes_per_param(ctx.optimizer)
     out = []
     for fqn, shape in graph.graph["param_shapes"].items():
@@ -197,6 +201,7 @@ def _partial_grads(ctx: Context, graph: nx.DiGraph, chosen: Sequence[Choice]
 def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution) -> Prediction:
     """Step time and memory of a solved assignment without pipelining (``cost_model.step``)."""
     chosen = sol.choice.values()
+    placed = _placed(chosen)
     m = ctx.microbatches
     compute = sum(c.compute_s for c in chosen)
     data_dims = [i for i, n in enumerate(ctx.mesh_names) if n == "dp"]
@@ -212,7 +217,7 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     stage = StageCost(
         forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m, recompute_s=recompute / m,
         blocking_comm_s=(sol.reshard_s + sum(c.comm_s for c in chosen)) / m + loss_mean_s(ctx)
-        + partial_grad_time(ctx.profile, ctx.mesh_shape, _partial_grads(ctx, graph, list(chosen)),
+        + partial_grad_time(ctx.profile, ctx.mesh_shape, _partial_grads(ctx, graph, placed),
                             bucketed=math.prod(ctx.mesh_shape[i] for i in data_dims) == 1),
         gather_forward_s=gather / (2 * m),
         gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen) + reduce_lat,
@@ -222,7 +227,6 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
         layers=max(graph.graph["layers"], 1), overlap_exposure=ctx.profile.overlap_exposure,
     )
     acts = sum(c.act_bytes for c in chosen)
-    placed = {fqn_pattern(f): pl for c in chosen for f, pl in c.weights.items()}
     gathered = fsdp_gathered_bytes(*unit_params(ctx, graph.graph["param_shapes"], placed), ctx.optimizer,
                                    fsdp_degree(ctx))
     return _prediction(ctx, graph, compose_step([stage], microbatches=m), state, acts,
