@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 import pulp
+import torch
 
 from cost_model.comm import redistribute_cost
 from cost_model.memory import state_bytes_per_param
@@ -87,7 +88,7 @@ def tensors(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: di
     out: dict[str, Tensor] = {}
     counted: set[str] = set()
     for u, v in graph.edges:
-        if u not in unit_of or v not in unit_of or unit_of[u] == unit_of[v]:
+        if u not in unit_of or v not in unit_of or unit_of[u] == unit_of[v] or _metadata_input(graph, u, v):
             continue
         d = graph.nodes[u]
         key = canon[u]
@@ -102,6 +103,16 @@ def tensors(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: di
             counted.add(u)
         t.consumers.add(unit_of[v])
     return out
+
+
+def _metadata_input(graph: nx.DiGraph, u: str, v: str) -> bool:
+    """``u`` is index metadata of product ``v``, not its operand: a grouped_mm's group
+    offsets (integers, one per expert), which DTensor keeps replicated whatever the
+    product's layout (``grouped_mm_strategy``: "offs should always be replicated"), so
+    they do not take the layout the product asks of its input."""
+    d = graph.nodes[u]
+    return (graph.nodes[v].get("short") == "grouped_mm" and bool(d.get("dtype"))
+            and not getattr(torch, d["dtype"].removeprefix("torch."), torch.float32).is_floating_point)
 
 
 def reshard_s(ctx: Context, t: Tensor, src: tuple[str, ...], dst: tuple[str, ...]) -> float:

@@ -737,9 +737,13 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
         if tp == 1:
             return
         if unit.kind == "anchor":
-            mod = unit.module.rsplit(".", 1)[-1]
-            want = "col" if _COLWISE.search(mod) else "row" if _ROWWISE.search(mod) else (
-                "col" if not unit.choices or not unit.choices[0].weights else "rep")
+            # a linear is named by its module (q_proj.weight), a fused MoE product by its
+            # parameter (Mixtral's experts.gate_up_proj / experts.down_proj, one module)
+            names = [unit.module, *(unit.choices[0].weights if unit.choices else ())]
+            leaves = [name.rsplit(".", 1)[-1] for name in names]
+            want = ("col" if any(_COLWISE.search(leaf) for leaf in leaves)
+                    else "row" if any(_ROWWISE.search(leaf) for leaf in leaves)
+                    else "col" if not unit.choices or not unit.choices[0].weights else "rep")
             # a dimension tp does not divide (GPT-2's 50257-token vocabulary under the
             # vocabulary-parallel embedding and head) leaves that module replicated
             unit.choices = ([c for c in unit.choices if c.name == want]
