@@ -3,14 +3,16 @@ hand layouts of a small Llama on 4 gloo processes, and collective micro-predicti
 
     python -m bench.costmodel_fidelity [--profile PATH] [--steps 6] [--warmup 2]
 
-Without ``--profile`` the machine is calibrated inside the run: between the thirds of
-the timed steps the 4 ranks run calibrate's own micro-benchmarks (``measure_job``: gloo
-collectives in groups of 2 and 4, in the middle; ``measure_device``: GEMMs, copies,
-exps, attention, host time, op dispatch, after each third, the median of the three
-kept), and the profile built from them (``profile_from_job``, exactly what ``meshplan
-calibrate`` writes) is saved to ``--save-profile`` and used for the predictions.  On a
-machine shared with other jobs the load changes within minutes; calibrating in the
-same job, between the steps, measures the primitives under the load the steps see.  The 4 ranks are
+Without ``--profile`` the machine is calibrated inside the run: after each third of
+the timed steps the 4 ranks run calibrate's own micro-benchmarks (``collective_samples``:
+gloo collectives in groups of 2 and 4, a third of the repeats each time, the median of
+all kept; ``measure_device``: GEMMs, copies, exps, attention, host time, op dispatch,
+the median of the three kept; ``measure_overlap`` once, after the second), and the
+profile built from them (``profile_from_job``, exactly what ``meshplan calibrate``
+writes) is saved to ``--save-profile`` and used for the predictions.  On a machine
+shared with other jobs the load changes within minutes; calibrating in the same job,
+spread over the minutes the steps run, measures the primitives under the load the
+steps see.  The 4 ranks are
 spawned once; inside them every layout trains the same model on the same global batch
 (forward, backward, AdamW step; the layouts' steps interleaved, round-robin, so the
 shared machine's load drift hits them alike) through ``executor.apply`` with the plan
@@ -49,7 +51,11 @@ thinnest GEMM of a TP rank), with one thread per rank.
 The collective micro-predictions are checked against timings taken the way calibrate
 takes the ones it fits (``timed_between_compute``): each collective issued between
 ~10 ms compute chunks, as training issues it, its time the loop's minus the compute
-alone's, so a rank that blocks pays its rescheduling as in a training step.
+alone's, so a rank that blocks pays its rescheduling as in a training step.  The check's
+repeats are its own (held out from the fit), taken in the same three parts right after
+the calibration's: until session 15 they ran once at the end, minutes after the
+calibration, and the machine's drift in between (1.5x at 8-64 MB in one run) decided
+whether they fell within +-25%.
 """
 
 from __future__ import annotations
@@ -76,11 +82,14 @@ import planner
 from cost_model.calibrate import (
     _collective,
     _iterations,
+    _repeats,
     cold_gemm_time,
+    collective_medians,
+    collective_samples,
     compute_chunk,
     dtensor_collectives,
     measure_device,
-    measure_job,
+    measure_overlap,
     profile_from_job,
     timed_between_compute,
     together,
@@ -103,6 +112,7 @@ LOCAL = "local compute"  # the communication-free reference case
 RUN_PROFILE = "cpu-gloo-local"  # the profile the plans that run are written with
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 MESSAGE_SIZES = (64 * 2**10, 2**20, 8 * 2**20, 64 * 2**20)
+GROUPS = (2, WORLD)  # the collectives' group sizes calibrated: a mesh dim of 2 or of all ranks
 
 
 @dataclass(frozen=True)
@@ -189,12 +199,11 @@ def _collectives_per_step(step: Callable[[], list[float]]) -> dict[str, int]:
     return {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
 
 
-def _run_collectives(rank: int, repeats: int) -> dict[str, list[float]]:
+def _run_collectives(rank: int, chunk: Callable[[], None], repeats: int) -> dict[str, list[float]]:
     """Per kind and size, the seconds each of ``repeats`` collectives among the 4 ranks adds
     between compute chunks, the slowest rank's (the same list on every rank): measured
     exactly as calibrate measures what it fits (``timed_between_compute``, with calibrate's
     nccl-tests sizing ``_collective``), so the table compares like with like."""
-    chunk = compute_chunk()  # sized once, as measure_job does
     out = {}
     for kind in COLLECTIVES:
         for nbytes in MESSAGE_SIZES:
@@ -249,26 +258,42 @@ def _worker(rank: int, plans: dict[str, str], init_file: str, out: str, warmup: 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         steps_of = _steps(plans)
-        # calibration between the thirds of the steps: the collectives in the middle, the
-        # device constants (GEMM rate, host time per op, ...) after every third, their
-        # median over the three taken: this VM's speed drifts by 20-30% within minutes
-        # (the bench's own GEMM check has read 20% below a calibration taken two
-        # minutes earlier), and the steps span all three
-        thirds = [steps // 3, steps // 3, steps - 2 * (steps // 3)]
-        first = _timed_round_robin(steps_of, warmup, thirds[0])
-        devices = _all_ranks(measure_device(WORLD)) if calibrate else []
-        second = _timed_round_robin(steps_of, 0, thirds[1])
-        job = measure_job((2, WORLD), MESSAGE_SIZES) if calibrate else None
-        third = _timed_round_robin(steps_of, 0, thirds[2])
-        if job is not None:
-            job["device"] = devices + job["device"] + _all_ranks(measure_device(WORLD))
-            job["ranks"] = WORLD
-        result: dict[str, Any] = {"times": {k: first[k] + second[k] + third[k] for k in first},
-                                  "job": job}
+        # calibration between the thirds of the steps, each part after one third: this
+        # VM's speed drifts by 20-30% within minutes (the bench's own GEMM check has read
+        # 20% below a calibration taken two minutes earlier) and the steps span all three.
+        # The device constants (GEMM rate, host time per op, ...) are measured in every
+        # part, the median of the three kept; the collectives' repeats are spread over the
+        # parts, the median of all kept; the overlap is measured once, in the middle.  The
+        # collective check takes its own repeats in the same parts, right after the
+        # calibration's, so it is held out from the fit but sees the same minutes.
+        chunk = compute_chunk()  # sized once, the same compute between every collective
+        parts = 3
+        thirds = [steps // parts, steps // parts, steps - 2 * (steps // parts)]
+        samples: dict[int, dict[tuple[str, int], list[float]]] = {g: {} for g in GROUPS}
+        devices: list[Any] = []
+        micro: dict[str, list[float]] = {}
+        times: dict[str, list[list[float]]] = {}
+        overlap = None
+        for part, n in enumerate(thirds):
+            for name, ts in _timed_round_robin(steps_of, warmup if part == 0 else 0, n).items():
+                times.setdefault(name, []).extend(ts)
+            if calibrate:
+                for g in GROUPS:
+                    share = collective_samples(g, MESSAGE_SIZES, chunk,
+                                               lambda nbytes: math.ceil(_repeats(nbytes) / parts))
+                    for key, ts in share.items():
+                        samples[g].setdefault(key, []).extend(ts)
+                if part == 1:
+                    overlap = measure_overlap()
+                devices += _all_ranks(measure_device(WORLD))
+            for key, ts in _run_collectives(rank, chunk, math.ceil(repeats / parts)).items():
+                micro.setdefault(key, []).extend(ts)
+        job = {"collectives": {g: collective_medians(s) for g, s in samples.items()},
+               "overlap": overlap, "device": devices, "ranks": WORLD} if calibrate else None
+        result: dict[str, Any] = {"times": times, "job": job, "micro": micro}
         result["collectives"] = {name: _collectives_per_step(step) for name, step in steps_of.items()}
         dist.barrier()
         result["gemm"] = _gemm_rates()
-        result["micro"] = _run_collectives(rank, repeats)
         gathered: list[Any] = [None] * WORLD
         dist.all_gather_object(gathered, result)
         if rank == 0:
@@ -432,11 +457,16 @@ def _no_comm_table(no_comm: list[dict], results: list[dict], predicted: dict[str
 
 
 def _collective_table(results: list[dict], profile: dict) -> None:
+    """The check's medians against the profile, beside the calibration's own medians where
+    the run calibrated (``fit ms``: the same collective, its repeats taken in the same
+    parts): the fit's miss on those is the model's, the rest the repeats' noise."""
     prof = load_profile(profile)
+    job = results[0]["job"]
+    fitted = {(k, n): t for k, n, t in job["collectives"][WORLD]} if job else {}
     print(f"\n== Collectives among {WORLD} gloo processes, each between ~10 ms compute chunks "
           f"(time added to the compute): median over repeats of the slowest rank ==")
-    print(f"{'kind':<16}{'size':>8}{'measured ms':>13}{'min ms':>9}{'predicted ms':>14}{'error':>8}"
-          f"{'vs min':>8}")
+    print(f"{'kind':<16}{'size':>8}{'measured ms':>13}{'min ms':>9}{'fit ms':>9}{'predicted ms':>14}"
+          f"{'error':>8}{'vs min':>8}")
     errors = []
     for kind in COLLECTIVES:
         for nbytes in MESSAGE_SIZES:
@@ -447,8 +477,9 @@ def _collective_table(results: list[dict], profile: dict) -> None:
             err = (predicted - measured) / measured
             errors.append(abs(err))
             size = f"{nbytes // 2**20} MB" if nbytes >= 2**20 else f"{nbytes // 2**10} KB"
+            fit = f"{fitted[kind, nbytes] * 1e3:>9.2f}" if (kind, nbytes) in fitted else f"{'-':>9}"
             flag = "" if abs(err) <= 0.25 else "  outside +-25%"
-            print(f"{kind:<16}{size:>8}{measured * 1e3:>13.2f}{min(slowest) * 1e3:>9.2f}"
+            print(f"{kind:<16}{size:>8}{measured * 1e3:>13.2f}{min(slowest) * 1e3:>9.2f}{fit}"
                   f"{predicted * 1e3:>14.2f}{err:>+8.0%}{predicted / min(slowest) - 1:>+8.0%}{flag}")
     inside = sum(e <= 0.25 for e in errors)
     print(f"{inside}/{len(errors)} within +-25%; median |error| {statistics.median(errors):.0%}")

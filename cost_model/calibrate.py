@@ -598,14 +598,19 @@ def timed_between_compute(
             for a, b in zip(slow[:repeats], slow[repeats:], strict=True)]
 
 
-def _time_collectives(
-    size: int, sizes: Sequence[int], chunk: Callable[[], None] | None = None
-) -> list[tuple[str, int, float]]:
-    """(kind, bytes, s) in groups of ``size`` consecutive ranks, every group at once (as
-    the groups of a mesh dim run in training), each collective timed between compute
-    chunks of ~10 ms (``timed_between_compute``: why, there): the median over
-    ``_repeats(nbytes)`` repeats of the slowest rank's added time, ``_iterations(nbytes)``
-    collectives per loop.
+def collective_samples(
+    size: int,
+    sizes: Sequence[int],
+    chunk: Callable[[], None] | None = None,
+    repeats: Callable[[int], int] = _repeats,
+) -> dict[tuple[str, int], list[float]]:
+    """Per (kind, bytes), the seconds each of ``repeats(nbytes)`` repeats adds, in groups
+    of ``size`` consecutive ranks, every group at once (as the groups of a mesh dim run
+    in training), each collective timed between compute chunks of ~10 ms
+    (``timed_between_compute``: why, there): the slowest rank's added time,
+    ``_iterations(nbytes)`` collectives per loop.  Raw repeats, so that a job can take
+    them in several parts and keep the median of all (``bench.costmodel_fidelity`` spreads
+    them over the minutes its steps run).
 
     Two compute loops per repeat make this slower than timing each collective alone:
     with 4 ranks on this 2-core machine, groups of 2 and 4 at the default sizes take
@@ -615,13 +620,14 @@ def _time_collectives(
     world, rank = dist.get_world_size(), dist.get_rank()
     group = None if size == world else dist.new_subgroups(size)[0]
     chunk = chunk or compute_chunk()
-    rows = []
-    for kind in COLLECTIVE_KINDS:
-        for nbytes in sizes:
-            fn = _collective(kind, nbytes, size, rank % size, group)
-            times = timed_between_compute(fn, _repeats(nbytes), chunk, _iterations(nbytes))
-            rows.append((kind, nbytes, statistics.median(times)))
-    return rows
+    return {(kind, nbytes): timed_between_compute(_collective(kind, nbytes, size, rank % size, group),
+                                                  repeats(nbytes), chunk, _iterations(nbytes))
+            for kind in COLLECTIVE_KINDS for nbytes in sizes}
+
+
+def collective_medians(samples: dict[tuple[str, int], list[float]]) -> list[tuple[str, int, float]]:
+    """``collective_samples``' repeats as the (kind, bytes, median s) rows the fit takes."""
+    return [(kind, nbytes, statistics.median(times)) for (kind, nbytes), times in samples.items()]
 
 
 def measure_overlap(repeats: int = _REPEATS) -> float:
@@ -677,7 +683,8 @@ def measure_job(groups: Sequence[int], sizes: Sequence[int]) -> dict[str, Any]:
     compute, then every rank's device constants.  A job that trains can call it between
     steps, under the same load."""
     chunk = compute_chunk()  # sized once, the same compute between every collective
-    result: dict[str, Any] = {"collectives": {g: _time_collectives(g, sizes, chunk) for g in groups}}
+    result: dict[str, Any] = {"collectives": {
+        g: collective_medians(collective_samples(g, sizes, chunk)) for g in groups}}
     dist.barrier()
     result["overlap"] = measure_overlap()
     dist.barrier()
