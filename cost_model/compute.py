@@ -36,8 +36,8 @@ def peak_flops(profile: Profile, dtype: str) -> float:
         return profile.peak_flops[dtype]
     except KeyError:
         raise ValueError(
-            f"dtype: profile {profile.name!r} has no peak_flops for {dtype!r}; "
-            f"it has {sorted(profile.peak_flops)}"
+            f"peak_flops.{dtype}: profile {profile.name!r} has none, and the model computes in "
+            f"{dtype} on it; it has {', '.join(sorted(profile.peak_flops))}"
         ) from None
 
 

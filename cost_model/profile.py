@@ -20,7 +20,9 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", 
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # a number a profile gives must be finite: JSON reads 1e400 as inf, which the bounds
+    # (gt=0) let through and the ILP then refuses with an error naming no field
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class CollectiveBandwidth(_Strict):
@@ -291,8 +293,9 @@ def load_profile(spec: str | Path | dict | Profile, allow_paths: bool = True) ->
         raise ValueError(
             f"profile: {str(spec)!r} is neither {kind}; shipped profiles: {', '.join(shipped)}"
         )
-    # pydantic reports both malformed JSON and bad values as a ValidationError naming the field.
-    return Profile.model_validate_json(path.read_text())
+    # pydantic reports malformed JSON (bytes that are not UTF-8 too) and bad values as a
+    # ValidationError naming the field.
+    return Profile.model_validate_json(path.read_bytes())
 
 
 def problem_lines(error: ValidationError) -> list[str]:

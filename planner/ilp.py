@@ -49,6 +49,10 @@ from cost_model.memory import state_bytes_per_param
 from cost_model.step import optimizer_time
 from planner.strategies import Choice, Context, Unit, concrete
 
+# A step time no profile of a real machine can give (~30,000 years): past it a number in
+# the profile is out of range, e.g. a bus bandwidth of 1e-300 B/s.
+ABSURD_S = 1e12
+
 
 class InfeasibleError(ValueError):
     """No choice assignment fits in memory (or the pins leave none)."""
@@ -212,6 +216,10 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
     for u in units.values():
         if not u.choices:
             raise InfeasibleError(f"no valid placement for {u.kind} {u.key} ({u.module or 'model'})")
+    worst = max(c.compute_s + c.comm_s + c.grad_sync_s + c.gather_s for u in units.values() for c in u.choices)
+    if not worst < ABSURD_S:  # CBC gives up on such coefficients, which read as "nothing fits"
+        raise ValueError(f"profile: {ctx.profile.name!r} prices one choice at {worst:.3g} s per step; "
+                         "a bandwidth or rate in it is out of range")
     prob = pulp.LpProblem("placement", pulp.LpMinimize)
     x = {k: [prob.add_variable(f"x_{i}_{j}", cat="Binary") for j in range(len(u.choices))]
          for i, (k, u) in enumerate(units.items())}

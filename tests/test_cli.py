@@ -123,9 +123,12 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     profile = json.loads((Path(__file__).parents[1] / "profiles" / f"{PROFILE}.json").read_text())
     profile["levels"][0]["busbw"]["all_reduce"] = -1
     (tmp_path / "badprofile.json").write_text(json.dumps(profile))
+    profile["levels"][0]["busbw"]["all_reduce"] = 1e-300  # valid, but no machine's: CBC gave up
+    (tmp_path / "absurdprofile.json").write_text(json.dumps(profile))
     (tmp_path / "notadb.db").write_text("not SQLite\n" * 100)
     return {name.removesuffix(".json").removesuffix(".db"): str(tmp_path / name)
-            for name in ("bert.json", "notjson.json", "notaplan.json", "badprofile.json", "notadb.db")} | {
+            for name in ("bert.json", "notjson.json", "notaplan.json", "badprofile.json", "absurdprofile.json",
+                         "notadb.db")} | {
         "missing": str(tmp_path / "missing.json"), "nodir": str(tmp_path / "no" / "such" / "p.json"),
         "dir": str(tmp_path)}
 
@@ -146,6 +149,8 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["calibrate", "-o", "{dir}"], "is a directory"),
     (["plan", *TINY, "--profile", "{badprofile}"],
      "badprofile.json: levels.0.busbw.all_reduce: Input should be greater than 0 (1 problem(s))"),
+    (["estimate", *TINY, "--dp", "2", "--tp", "1", "--profile", "{absurdprofile}"],
+     "s per step; a bandwidth or rate in it is out of range"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"],
      "virtual_stages: 2 needs a pipeline (pp > 1)"),
     (["serve", "--port", "0", "--db", "{dir}"], "--db: "),

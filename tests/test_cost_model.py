@@ -31,7 +31,7 @@ from cost_model.memory import (
     usable_bytes,
 )
 from cost_model.model_spec import ModelSpec, mfu, training_flops
-from cost_model.profile import Profile, load_profile, shipped_profiles
+from cost_model.profile import Profile, load_profile, problem_lines, shipped_profiles
 from cost_model.step import (
     StageCost,
     StepBreakdown,
@@ -115,6 +115,10 @@ def test_unknown_profile_name_lists_shipped_names(tmp_path):
         (("memory_bytes",), -5, "memory_bytes"),
         (("overlap_exposure",), -0.1, "overlap_exposure"),
         (("overlap_exposure",), 5.0, "overlap_exposure"),
+        # JSON's 1e400 reads as inf, which gt=0 let through to the ILP (a PuLP traceback)
+        (("kernel_floor_s",), float("inf"), "kernel_floor_s: Input should be a finite number"),
+        (("levels", 0, "latency_s"), float("nan"), "levels.0.latency_s: Input should be a finite number"),
+        (("peak_flops", "bf16"), float("inf"), "peak_flops.bf16: Input should be a finite number"),
     ],
 )
 def test_profile_errors_name_the_field(path, value, loc):
@@ -125,7 +129,7 @@ def test_profile_errors_name_the_field(path, value, loc):
     target[path[-1]] = value
     with pytest.raises(ValidationError) as e:
         load_profile(bad)
-    assert loc in str(e.value)
+    assert loc in "\n".join(problem_lines(e.value))
 
 
 def test_profile_structure_errors(tmp_path):
@@ -153,6 +157,10 @@ def test_profile_structure_errors(tmp_path):
     broken.write_text("{not json")
     with pytest.raises(ValidationError):
         load_profile(broken)
+    latin1 = tmp_path / "latin1.json"  # not UTF-8: was a bare UnicodeDecodeError naming no file
+    latin1.write_bytes('{"name": "caf\u00e9"}'.encode("latin-1"))
+    with pytest.raises(ValidationError, match="Invalid JSON"):
+        load_profile(latin1)
 
 
 # -- compute ----------------------------------------------------------------------
