@@ -152,6 +152,10 @@ class MemoryBreakdown(_Strict):
         "shards counted above (the root unit's, and a layer computing plus one prefetched)"))
     total: int = Field(ge=0)
     capacity: int = Field(ge=0)
+    usable: int | None = Field(default=None, ge=0, description=(
+        "bytes a device may hold: the capacity less the headroom the planner keeps for what it "
+        "does not count (allocator fragmentation, communication buffers, the runtime); fits is "
+        "total <= usable (absent in plans written before it was recorded)"))
     fits: bool
 
 

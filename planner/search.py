@@ -157,7 +157,7 @@ def _prediction(ctx: Context, graph: nx.DiGraph, b: StepBreakdown, state: Sequen
     memory = MemoryBreakdown(
         parameters=int(state[0]), gradients=int(state[1]), optimizer=int(state[2]),
         activations=int(acts), fsdp_gathered=int(gathered), total=total, capacity=ctx.profile.memory_bytes,
-        fits=total <= usable_bytes(ctx.profile),
+        usable=usable_bytes(ctx.profile), fits=total <= usable_bytes(ctx.profile),
     )
     tokens = ctx.batch_size * ctx.seq_len
     train_flops = totals(graph)["train_flops"] * ctx.batch_size

@@ -70,7 +70,8 @@ def render_prediction(pred: Prediction) -> str:
     t, m = pred.time, pred.memory
     head = (f"step time {seconds(t.step_time_s)}   tokens/s/device {pred.tokens_per_s_per_device:,.0f}"
             f"   MFU {pred.mfu * 100:.1f}%   memory {gib(m.total)} of {gib(m.capacity)}"
-            f"   {'fits' if m.fits else 'DOES NOT FIT'}")
+            + (f" ({gib(m.usable)} usable)" if m.usable is not None else "")
+            + f"   {'fits' if m.fits else 'DOES NOT FIT'}")
     times = table(["time", "seconds"], [
         ("compute", seconds(t.compute_s)), ("  of it recomputation", seconds(t.recompute_s)),
         ("communication (all)", seconds(t.communication_s)),
@@ -80,7 +81,8 @@ def render_prediction(pred: Prediction) -> str:
     memory = table(["memory per device", "bytes"], [
         ("parameters", gib(m.parameters)), ("gradients", gib(m.gradients)),
         ("optimizer", gib(m.optimizer)), ("activations", gib(m.activations)),
-        ("FSDP2 gathered", gib(m.fsdp_gathered)), ("total", gib(m.total)), ("capacity", gib(m.capacity))])
+        ("FSDP2 gathered", gib(m.fsdp_gathered)), ("total", gib(m.total)), ("capacity", gib(m.capacity)),
+        *([("usable (capacity less headroom)", gib(m.usable))] if m.usable is not None else [])])
     return "\n\n".join([head, times, memory])
 
 

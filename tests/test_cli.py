@@ -83,8 +83,12 @@ def test_estimate_reports_a_layout_that_does_not_fit(tmp_path: Path,
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is False and out["peak_memory_bytes_per_device"] > 100_000
+    # what fits is measured against: the capacity less the planner's 10% headroom (a total
+    # of 75 GiB "of 80 GiB" that did not fit read as a contradiction without it)
+    assert out["breakdown"]["memory"]["usable"] == 90_000
     assert main(argv) == 0
-    assert "DOES NOT FIT" in capsys.readouterr().out
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "of 0.00 GiB (0.00 GiB usable)   DOES NOT FIT" in head, head
 
 
 def test_estimate_table(capsys: pytest.CaptureFixture[str]) -> None:

@@ -221,6 +221,7 @@ function memorySection(plan) {
     el("div", { id: "memory-bar" }, stackedBar(parts, scale, m.capacity)), legendRow(parts, fmtBytes),
     el("p", { class: m.fits ? "muted" : "error" },
       `total ${fmtBytes(m.total)} of ${fmtBytes(m.capacity)} capacity (${((100 * m.total) / Math.max(m.capacity, 1)).toFixed(1)}%)`,
+      m.usable == null ? "" : `, ${fmtBytes(m.usable)} usable after the planner's headroom`,
       m.fits ? "" : " — does not fit"));
 }
 
