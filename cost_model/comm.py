@@ -13,7 +13,8 @@ nccl-tests) is, per rank:
 * send_recv: the message one rank sends.
 
 A level's ``groups`` (written by ``meshplan calibrate``) override its latency and
-busbw for a phase among exactly that many members.
+busbw for a phase among that many members, and among more than the largest measured
+(see ``_alpha_beta``).
 
 On a CPU profile gloo's all-gather and reduce-scatter also pay ``staging_time``: both
 run through a flat buffer of the whole ``S`` that ProcessGroupGloo allocates per call
@@ -106,13 +107,16 @@ def staging_time(profile: Profile, kind: str, nbytes: float) -> float:
 def _alpha_beta(level: NetworkLevel, kind: str, k: int) -> tuple[float, float]:
     """(latency s, busbw B/s) of ``kind`` among ``k`` members at ``level``.
 
-    A calibration that measured exactly ``k`` ranks wins over the level's
-    size-independent constants: where ranks share cores or a link, neither
-    constant is independent of the group size.
+    A calibration's constants win over the level's size-independent ones: where ranks
+    share cores or a link, neither constant is independent of the group size.  Those
+    measured with exactly ``k`` ranks, else with the most ranks below ``k``: a group larger
+    than any measured costs at least the largest measured one (the bus factor grows with
+    ``k``), where the level's fit over all sizes put 5 CPU ranks below 4.
     """
-    for group in level.groups:
-        if group.size == k:
-            return getattr(group.latency_s, kind), getattr(group.busbw, kind)
+    below = [g for g in level.groups if g.size <= k]
+    if below:
+        group = max(below, key=lambda g: g.size)
+        return getattr(group.latency_s, kind), getattr(group.busbw, kind)
     return level.latency_s, getattr(level.busbw, kind)
 
 

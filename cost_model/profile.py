@@ -80,8 +80,9 @@ class NetworkLevel(_Strict):
     latency_s: float = Field(ge=0, description="fixed cost of one collective at this level, s")
     groups: list[GroupFit] = Field(
         default_factory=list,
-        description="measured constants per group size; a phase among exactly `size` "
-        "members uses them instead of latency_s / busbw",
+        description="measured constants per group size; a phase among `size` members uses "
+        "them instead of latency_s / busbw, and so does one among more members than the next "
+        "measured size",
     )
 
     @field_validator("groups")

@@ -285,6 +285,18 @@ def test_bigger_messages_never_cheaper(toy):
                 assert times[0] > 0
 
 
+def test_more_ranks_never_cheaper_past_the_calibrated_groups():
+    """The shipped CPU profile calibrated groups of 2 and 4; 5 or 8 ranks took the level's
+    fit over all sizes, whose latency is below the 4-rank one (a 64 KB all-reduce among 5
+    cost 3.0 ms, among 4 7.1 ms)."""
+    cpu = load_profile("cpu-gloo-local")
+    assert sorted(g.size for g in cpu.levels[0].groups) == [2, 4]
+    for kind in KINDS:
+        for nbytes in (2**16, 2**20, 2**26):
+            times = [collective_time(cpu, kind, nbytes, [n], 0) for n in (4, 5, 6, 8, 16)]
+            assert times == sorted(times), (kind, nbytes, times)
+
+
 def test_h100_large_all_reduce_reaches_datasheet_busbw():
     h100 = load_profile("h100-sxm-80g")
     s = 8e9
