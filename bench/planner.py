@@ -37,7 +37,8 @@ cfg = planner.load_config(name)
 heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "n_head", 1)
 tp = min(8, devices, heads)
 if tp > 1:
-    hands["FSDP+TP (TorchTitan)"] = dict(dp=devices // tp, tp=tp, fsdp=True, sp=True)
+    if devices > tp:  # FSDP shards over dp: with dp 1 this is Megatron's layout below
+        hands["FSDP+TP (TorchTitan)"] = dict(dp=devices // tp, tp=tp, fsdp=True, sp=True)
     hands["TP+SP (Megatron)"] = dict(dp=devices // tp, tp=tp, sp=True)
 best = {}
 for label, hand in hands.items():

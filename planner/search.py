@@ -679,7 +679,7 @@ def _constraint_pins(constraints: Sequence[Mapping[str, Any]] | None) -> Callabl
 
 def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 1, tp: int = 1,
              pp: int = 1, fsdp: bool = False, sp: bool = False, microbatches: int = 1,
-             checkpointing: str = "none", schedule: str = "1f1b", virtual_stages: int = 1,
+             checkpointing: str = "none", schedule: str | None = None, virtual_stages: int = 1,
              batch_size: int | None = None, seq_len: int | None = None, require_fit: bool = True) -> Prediction:
     """Predicted step time and memory of a hand layout (TorchTitan/Megatron style);
     ``require_fit`` as in :func:`hand_plan`."""
@@ -691,22 +691,31 @@ def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 
 
 def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 1, tp: int = 1,
               pp: int = 1, fsdp: bool = False, sp: bool = False, microbatches: int = 1,
-              checkpointing: str = "none", schedule: str = "1f1b", virtual_stages: int = 1,
+              checkpointing: str = "none", schedule: str | None = None, virtual_stages: int = 1,
               batch_size: int | None = None, seq_len: int | None = None, require_fit: bool = True) -> Plan:
     """The plan of a hand layout (TorchTitan/Megatron style: projections column- then
     row-parallel on tp, norms and the residual stream sequence-parallel with ``sp``),
-    with the prediction ``estimate`` reports for it.
+    with the prediction ``estimate`` reports for it.  ``schedule`` (default 1f1b) needs a
+    pipeline, ``fsdp`` a dp dim and ``sp`` a tp dim: each is refused without, as it would
+    change nothing.
 
     A layout that does not fit in memory raises PlanningError, unless ``require_fit`` is
     False: then it is priced with the memory bound lifted and comes back with
     ``prediction.memory.fits`` False, so that ``estimate --json`` can report what it needs."""
     t0 = time.perf_counter()
+    given_schedule, schedule = schedule, schedule or "1f1b"
     if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
         raise PlanningError(f"schedule: expected gpipe, 1f1b or interleaved-1f1b, got {schedule!r}")
     if virtual_stages < 1 or (virtual_stages > 1 and schedule != "interleaved-1f1b"):
         raise PlanningError(f"virtual_stages: {virtual_stages} needs schedule interleaved-1f1b")
     if virtual_stages > 1 and pp == 1:
         raise PlanningError(f"virtual_stages: {virtual_stages} needs a pipeline (pp > 1)")
+    if given_schedule is not None and pp == 1:
+        raise PlanningError(f"schedule: {given_schedule} needs a pipeline (pp > 1)")
+    if fsdp and dp == 1:
+        raise PlanningError("fsdp: shards over the data-parallel dim, and dp is 1")
+    if sp and tp == 1:
+        raise PlanningError("sp: shards the sequence over the tensor-parallel dim, and tp is 1")
     if pp < 1 or dp < 1 or tp < 1:
         raise PlanningError(f"pp, dp, tp: must be >= 1, got pp={pp} dp={dp} tp={tp}")
     if pp > 1 and microbatches < pp:

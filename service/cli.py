@@ -306,8 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "pipeline micro-batches; default: %(default)s)")
     p.add_argument("--checkpointing", choices=["none", "selective", "full"], default="none",
                    help="activation checkpointing (default: %(default)s)")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b",
-                   help="pipeline schedule when --pp > 1 (default: %(default)s)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"],
+                   help="pipeline schedule, with --pp > 1 (default: 1f1b)")
     p.add_argument("--virtual-stages", type=_positive, default=1,
                    help="pipeline stages per rank, with --schedule interleaved-1f1b (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -155,6 +155,10 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
      "badprofile.json: levels.0.busbw.all_reduce: Input should be greater than 0 (1 problem(s))"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--profile", "{absurdprofile}"],
      "s per step; a bandwidth or rate in it is out of range"),
+    # flags that would change nothing (were accepted, the estimate as without them)
+    (["estimate", *TINY, "--dp", "1", "--tp", "2", "--fsdp"], "fsdp: shards over the data-parallel dim, and dp is 1"),
+    (["estimate", *TINY, "--dp", "2", "--tp", "1", "--sp"], "sp: shards the sequence over the tensor-parallel dim"),
+    (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "gpipe"], "schedule: gpipe needs a pipeline (pp > 1)"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"],
      "virtual_stages: 2 needs a pipeline (pp > 1)"),
     (["serve", "--port", "0", "--db", "{dir}"], "--db: "),
