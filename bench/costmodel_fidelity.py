@@ -492,7 +492,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="where the calibration writes the profile (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per layout")
-    ap.add_argument("--repeats", type=int, default=7, help="timed repeats per collective size")
+    ap.add_argument("--repeats", type=int, default=7,
+                    help="timed repeats per collective of the check, spread over the three parts (each takes a "
+                    "third, rounded up)")
     ap.add_argument("--no-comm-steps", type=int, default=4,
                     help="timed steps per layout on the fake process group")
     args = ap.parse_args(argv)
