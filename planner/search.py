@@ -480,7 +480,10 @@ def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
     out: dict[str, ModuleLayout] = {}
     plain = tuple("B" for _ in cand.ctx.mesh_shape)
     unit_of = {n: k for k, u in cand.units.items() for n in u.nodes}
-    for key, c in cand.solution.choice.items():
+    # in graph order: a module holding several products (Mixtral's experts: gate_up, then
+    # down) takes its input from the first and its output from the last
+    order = {n: i for i, n in enumerate(nx.topological_sort(graph))}
+    for key, c in sorted(cand.solution.choice.items(), key=lambda kc: order[kc[0]]):
         u = cand.units[key]
         d = graph.nodes[key]
         if not u.module or (c.inp == plain and c.out == plain):
@@ -490,7 +493,9 @@ def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
             inp = ([*_lead(cand), *(concrete(x, in_shape, seq) for x in c.inp)]
                    if d["short"] != "embedding" else None)
             outp = [*_lead(cand), *(concrete(x, d["shape"], seq) for x in _settled(graph, cand, unit_of, key))]
-            out[fqn_pattern(u.module)] = ModuleLayout(module=fqn_pattern(u.module), input=inp, output=outp)
+            pat = fqn_pattern(u.module)
+            first = out.get(pat)
+            out[pat] = ModuleLayout(module=pat, input=first.input if first else inp, output=outp)
         elif u.kind == "segment":
             for n in u.nodes:
                 nd = graph.nodes[n]

@@ -59,6 +59,11 @@ VIEW_OPS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueez
 # other ops are recomputed.
 SAVED_BY_SELECTIVE = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm",
                       "scaled_dot_product_attention", "grouped_mm"}
+# Ops that cut a tensor into pieces along a dim.  DTensor gathers a tensor sharded on the
+# dim it cuts first (``split_strategy``: "if the input is sharded on the split dim, we
+# need to unshard it"), so a segment that cuts the features cannot keep them sharded:
+# GPT-2's q/k/v split of one projection, Mixtral's gate/up chunk of its fused experts.
+CUTTING_OPS = {"split", "split_with_sizes", "chunk", "slice", "narrow"}
 LAYOUTS = ("R", "B", "Q", "H", "P")
 ANCHOR_KINDS = ("data", "seq", "col", "row", "rep")
 
@@ -416,6 +421,14 @@ def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float) -> l
     return out
 
 
+def _cuts_features(node: dict) -> bool:
+    """Whether ``node`` cuts the dim a feature (``H``) layout shards: the last of a tensor
+    of up to 3 dims (attention's 4-D tensors shard their heads, not the last)."""
+    src, dst = (node.get("in_shapes") or [()])[0], node["shape"]
+    return (node["short"] in CUTTING_OPS and 1 <= len(src) <= 3 and len(dst) == len(src)
+            and dst[-1] != src[-1])
+
+
 def segment_choices(ctx: Context, graph: nx.DiGraph, nodes: Sequence[str]) -> list[Choice]:
     """Layouts of the segment made of ``nodes`` (every traced member, each at its multiplicity)."""
     data = [(graph.nodes[n], float(layer_weight(graph, n))) for n in nodes]
@@ -428,7 +441,7 @@ def segment_choices(ctx: Context, graph: nx.DiGraph, nodes: Sequence[str]) -> li
         layout = _combine(ctx, per_dim, "B")
         if "P" in layout and not only_views:
             continue
-        if "H" in layout and shorts & (REDUCING_OPS - LOSS_OPS):
+        if "H" in layout and (shorts & (REDUCING_OPS - LOSS_OPS) or any(_cuts_features(d) for d, _ in data)):
             continue
         if shorts & LOSS_OPS and any(layout[i] not in ("R", "H") for i in ctx.free_dims):
             continue

@@ -159,6 +159,10 @@ def test_mixtral_experts_take_the_tensor_parallel_layout():
     assert on_tp["model.layers.*.mlp.experts.gate_up_proj"] == "S(1)"  # [experts, 2 x ffn, hidden]
     assert on_tp["model.layers.*.mlp.experts.down_proj"] == "S(2)"  # [experts, hidden, ffn]
     assert on_tp["model.layers.*.mlp.gate.weight"] == "R"  # the router
+    # the module holds both products: its input is the first's (replicated tokens), its
+    # output the last's (was whichever the set of anchors listed last: a hash order)
+    (experts,) = [m for m in plan.modules if m.module == "model.layers.*.mlp.experts"]
+    assert experts.input[plan.mesh.names.index("tp")] == "R"
     # all but the embedding, head, attention's KV and norms (~1% of the weights) divided by 8
     assert plan.prediction.memory.parameters < params * 2 / 8 * 1.02
     # the planner's own layout on 2 x 8 now takes it (was: both column-parallel, the
@@ -461,6 +465,35 @@ def test_a_row_parallel_product_pays_the_fresh_pages_of_its_whole_partial_output
     layers = graph.graph["layers"]
     assert on["row"] - off["row"] == pytest.approx(2 * layers * batch * seq * 32 * 4 * byte_s)
     assert on["col"] == off["col"]
+
+
+def test_a_segment_that_cuts_the_features_does_not_keep_them_sharded():
+    """DTensor gathers a tensor sharded on the dim it splits (``split_strategy``), so
+    GPT-2's q/k/v split of c_attn's output and Mixtral's gate/up chunk of its fused
+    experts cannot stay feature-sharded (H) through the cut: the model priced it free
+    (Mixtral 8x7B on dp2 x tp8 at 1.49 s a step, 2.71 s with the gather of the routed
+    tokens' 2 x 14336 features per layer).  Attention's own 4-D tensors (heads sharded,
+    the last dim cut by rotary's halves) keep theirs."""
+    from cost_model.profile import load_profile
+    from planner.presets import PRESETS
+    from planner.search import _context
+    from planner.strategies import build_units
+    from planner.tracer import trace
+
+    mixtral = {**PRESETS["llama-tiny"], "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+    for config, cut in (("gpt2-tiny", "split"), (mixtral, "chunk"), ("llama-tiny", None)):
+        graph = trace(config, 1, 16)
+        units, _ = build_units(_context(load_profile("cpu-gloo-local"), ("tp",), (2,), 8, 16, 1, False,
+                                        "none", 2), graph)
+        segments = [u for u in units.values() if u.kind == "segment"]
+        cutting = [u for u in segments if any(
+            graph.nodes[n]["short"] == cut and len(graph.nodes[n]["shape"]) <= 3
+            and graph.nodes[n]["shape"][-1] != graph.nodes[n]["in_shapes"][0][-1] for n in u.nodes)]
+        assert bool(cutting) == (cut is not None), config
+        for u in cutting:
+            assert "H" not in {c.name for c in u.choices} and "R" in {c.name for c in u.choices}, u.key
+        # the rest still offer H where they did (attention, the MLP's activations)
+        assert any("H" in {c.name for c in u.choices} for u in segments if u not in cutting)
 
 
 def _allocated_bytes() -> int | None:
