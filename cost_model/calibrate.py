@@ -603,6 +603,7 @@ def collective_samples(
     sizes: Sequence[int],
     chunk: Callable[[], None] | None = None,
     repeats: Callable[[int], int] = _repeats,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[tuple[str, int], list[float]]:
     """Per (kind, bytes), the seconds each of ``repeats(nbytes)`` repeats adds, in groups
     of ``size`` consecutive ranks, every group at once (as the groups of a mesh dim run
@@ -610,7 +611,8 @@ def collective_samples(
     (``timed_between_compute``: why, there): the slowest rank's added time,
     ``_iterations(nbytes)`` collectives per loop.  Raw repeats, so that a job can take
     them in several parts and keep the median of all (``bench.costmodel_fidelity`` spreads
-    them over the minutes its steps run).
+    them over the minutes its steps run; it passes the ``group`` of ``size`` ranks this
+    rank is in, made once, where a call without makes new ones).
 
     Two compute loops per repeat make this slower than timing each collective alone:
     with 4 ranks on this 2-core machine, groups of 2 and 4 at the default sizes take
@@ -618,7 +620,8 @@ def collective_samples(
     from 32 MB (where one collective takes ~0.1-0.3 s, so its noise is relatively small)
     keep ``meshplan calibrate`` under ~90 s."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    group = None if size == world else dist.new_subgroups(size)[0]
+    if group is None and size != world:
+        group = dist.new_subgroups(size)[0]
     chunk = chunk or compute_chunk()
     return {(kind, nbytes): timed_between_compute(_collective(kind, nbytes, size, rank % size, group),
                                                   repeats(nbytes), chunk, _iterations(nbytes))

@@ -13,8 +13,8 @@ nccl-tests) is, per rank:
 * send_recv: the message one rank sends.
 
 A level's ``groups`` (written by ``meshplan calibrate``) override its latency and
-busbw for a phase among that many members, and among more than the largest measured
-(see ``_alpha_beta``).
+busbw for a phase among that many members; among a number no group measured, the
+group of the most members below it does (see ``_alpha_beta``).
 
 On a CPU profile gloo's all-gather and reduce-scatter also pay ``staging_time``: both
 run through a flat buffer of the whole ``S`` that ProcessGroupGloo allocates per call

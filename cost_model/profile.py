@@ -81,7 +81,7 @@ class NetworkLevel(_Strict):
     groups: list[GroupFit] = Field(
         default_factory=list,
         description="measured constants per group size; a phase among `size` members uses "
-        "them instead of latency_s / busbw, and so does one among more members than the next "
+        "them instead of latency_s / busbw, and so does one among more members, up to the next "
         "measured size",
     )
 

@@ -216,10 +216,6 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
     for u in units.values():
         if not u.choices:
             raise InfeasibleError(f"no valid placement for {u.kind} {u.key} ({u.module or 'model'})")
-    worst = max(c.compute_s + c.comm_s + c.grad_sync_s + c.gather_s for u in units.values() for c in u.choices)
-    if not worst < ABSURD_S:  # CBC gives up on such coefficients, which read as "nothing fits"
-        raise ValueError(f"profile: {ctx.profile.name!r} prices one choice at {worst:.3g} s per step; "
-                         "a bandwidth or rate in it is out of range")
     prob = pulp.LpProblem("placement", pulp.LpMinimize)
     x = {k: [prob.add_variable(f"x_{i}_{j}", cat="Binary") for j in range(len(u.choices))]
          for i, (k, u) in enumerate(units.items())}
@@ -266,6 +262,11 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
                 w = prob.add_variable(f"w_{ti}_{si}_{li}", lowBound=0)
                 prob += w >= pulp.lpSum(vs) + z - 1
                 objective.append(cost * w)
+    # CBC gives up on coefficients this large, which would read as "nothing fits"
+    worst = max((abs(coef) for term in objective for coef in term.values()), default=0.0)
+    if not worst < ABSURD_S:
+        raise ValueError(f"profile: {ctx.profile.name!r} prices a choice or a resharding at {worst:.3g} s "
+                         "per step; a bandwidth or rate in it is out of range")
     prob += pulp.lpSum(objective)
     mem = [v * (sum(c.state) / state_divisor + c.act_bytes)
            for k, u in units.items() for v, c in zip(x[k], u.choices)]
