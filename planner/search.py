@@ -474,6 +474,24 @@ def _settled(graph: nx.DiGraph, cand: Candidate, unit_of: dict[str, str], key: s
     return needed.pop() if len(needed) == 1 else out
 
 
+_RESHAPES = {"view", "_unsafe_view", "reshape"}
+
+
+def _boundary_shapes(graph: nx.DiGraph, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of product ``key``'s input and output where its module takes and gives
+    them.  GPT-2's Conv1D flattens its input to 2-D for ``addmm`` and views the product
+    back inside the module: placed by the 2-D shapes, the features' dim (``S(1)``) named
+    the 3-D boundary tensors' sequence dim, and the executor re-laid c_fc's output by
+    sequence and gathered it again for c_proj (4 all-gathers per layer, forward)."""
+    d = graph.nodes[key]
+    if d["short"] != "addmm":
+        return d["in_shapes"][0], d["shape"]
+    flat = graph.nodes[d["in_nodes"][1]]  # addmm(bias, x, weight)
+    inp = flat["in_shapes"][0] if flat.get("short") in _RESHAPES else d["in_shapes"][1]
+    back = [graph.nodes[v]["shape"] for v in graph.successors(key) if graph.nodes[v].get("short") in _RESHAPES]
+    return inp, back[0] if back else d["shape"]
+
+
 def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
     """Module boundaries where the layout is not plain data parallel (what apply reshards)."""
     seq = cand.ctx.seq_len
@@ -489,10 +507,10 @@ def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
         if not u.module or (c.inp == plain and c.out == plain):
             continue
         if u.kind == "anchor" and d["short"] != "scaled_dot_product_attention":
-            in_shape = d["in_shapes"][0] if d["short"] != "addmm" else d["in_shapes"][1]
+            in_shape, out_shape = _boundary_shapes(graph, key)
             inp = ([*_lead(cand), *(concrete(x, in_shape, seq) for x in c.inp)]
                    if d["short"] != "embedding" else None)
-            outp = [*_lead(cand), *(concrete(x, d["shape"], seq) for x in _settled(graph, cand, unit_of, key))]
+            outp = [*_lead(cand), *(concrete(x, out_shape, seq) for x in _settled(graph, cand, unit_of, key))]
             pat = fqn_pattern(u.module)
             first = out.get(pat)
             out[pat] = ModuleLayout(module=pat, input=first.input if first else inp, output=outp)

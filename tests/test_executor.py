@@ -771,6 +771,33 @@ def test_the_planners_sequence_parallel_plan_issues_the_collectives_it_prices(ch
     assert backward.counts == Counter(forward.counts) + Counter(rerun)
 
 
+def test_gpt2_tensor_parallel_forward_gathers_only_its_qkv_split() -> None:
+    """GPT-2's Conv1D flattens its input for ``addmm`` inside the module, and the plan placed
+    its boundaries by the flat 2-D product (features ``S(1)``), which on the 3-D tensors
+    the module takes and gives is the sequence: c_fc's output was re-laid by sequence and
+    gathered again for c_proj, 6 all-gathers per layer in the forward.  What remains is
+    the q/k/v split of c_attn's column-parallel output (DTensor gathers a tensor it cuts on
+    the sharded dim, which the planner prices), one per layer, and the all-reduces after
+    the row-parallel projections."""
+    layers = PRESETS["gpt2-tiny"]["n_layer"]
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        plan = planner.hand_plan("gpt2-tiny", devices=2, profile="cpu-gloo-local", tp=2, batch_size=BATCH,
+                                 seq_len=SEQ)
+        assert {m.module: m.output for m in plan.modules}["transformer.h.*.mlp.c_fc"][-1] == "S(2)"  # features
+        executor.rng.manual_seed(SEED)
+        model = executor.apply(plan, build(Case("gpt2")))
+        ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+        model(input_ids=ids, labels=ids).loss.backward()
+        with CommDebugMode() as comm:  # a local replay issues c10d collectives: count both kinds
+            model(input_ids=ids, labels=ids)
+    finally:
+        torch.distributed.destroy_process_group()
+        executor.rng.deactivate()
+    gathers = sum(n for op, n in comm.get_comm_counts().items() if "all_gather" in str(op))
+    assert gathers == layers, comm.get_comm_counts()
+
+
 @pytest.mark.parametrize("learned", [False, True], ids=["dtensor", "local-blocks"])
 def test_sequence_parallel_rowwise_outputs_are_reduce_scattered(learned: bool) -> None:
     """o_proj / down_proj leave a pending sum that the plan wants as S(1): one reduce-scatter
