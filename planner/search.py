@@ -482,7 +482,8 @@ def _boundary_shapes(graph: nx.DiGraph, key: str) -> tuple[tuple[int, ...], tupl
     them.  GPT-2's Conv1D flattens its input to 2-D for ``addmm`` and views the product
     back inside the module: placed by the 2-D shapes, the features' dim (``S(1)``) named
     the 3-D boundary tensors' sequence dim, and the executor re-laid c_fc's output by
-    sequence and gathered it again for c_proj (4 all-gathers per layer, forward)."""
+    sequence and gathered it again for c_proj (6 all-gathers per layer in the forward
+    under tp 2, now 1: the q/k/v split's)."""
     d = graph.nodes[key]
     if d["short"] != "addmm":
         return d["in_shapes"][0], d["shape"]
