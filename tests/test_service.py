@@ -4,6 +4,7 @@ processes, SQLite on disk) on a free loopback port, with real plans of tiny pres
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import socket
 import subprocess
@@ -195,6 +196,10 @@ def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
     ({**TINY, "profile": _inline_profile("mine", all_reduce=-1)}, 422,
      "profile.levels.0.busbw.all_reduce: Input should be greater than 0"),
     ({**TINY, "profile": _inline_profile(bf16=1e300)}, 422, f"profile.name: {PROFILE!r} is a shipped profile's name"),
+    # JSON's 1e400 parses as inf (a 500 from the ILP before); 1e-300 B/s is finite but no machine's
+    (json.dumps({**TINY, "profile": _inline_profile("mine", all_reduce=12345.5)}).replace("12345.5", "1e400").encode(),
+     422, "profile.levels.0.busbw.all_reduce: Input should be a finite number"),
+    ({**TINY, "profile": _inline_profile("mine", all_reduce=1e-300)}, 422, "a bandwidth or rate in it is out of range"),
     ({**TINY, "devices": True}, 422, "devices: Input should be a valid integer"),
     ({**TINY, "batch_size": 4.0}, 422, "batch_size: Input should be a valid integer"),
     ({**TINY, "mesh": {"dp": True}}, 422, "mesh.dp: Input should be a valid integer"),
