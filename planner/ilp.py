@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 import pulp
-import torch
 
 from cost_model.comm import redistribute_cost
 from cost_model.memory import state_bytes_per_param
 from cost_model.step import optimizer_time
 from planner.strategies import Choice, Context, Unit, concrete
+from planner.tracer import floating
 
 # A step time no profile of a real machine can give (~30,000 years): past it a number in
 # the profile is out of range, e.g. a bus bandwidth of 1e-300 B/s.
@@ -114,9 +114,8 @@ def _metadata_input(graph: nx.DiGraph, u: str, v: str) -> bool:
     offsets (integers, one per expert), which DTensor keeps replicated whatever the
     product's layout (``grouped_mm_strategy``: "offs should always be replicated"), so
     they do not take the layout the product asks of its input."""
-    d = graph.nodes[u]
-    return (graph.nodes[v].get("short") == "grouped_mm" and bool(d.get("dtype"))
-            and not getattr(torch, d["dtype"].removeprefix("torch."), torch.float32).is_floating_point)
+    dtype = graph.nodes[u].get("dtype")
+    return graph.nodes[v].get("short") == "grouped_mm" and bool(dtype) and not floating(dtype)
 
 
 def reshard_s(ctx: Context, t: Tensor, src: tuple[str, ...], dst: tuple[str, ...]) -> float:

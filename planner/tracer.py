@@ -287,14 +287,19 @@ _SAVES_INPUTS = {"linear", "addmm", "mm", "bmm", "matmul", "mul", "div", "pow", 
                  "grouped_mm", "log", "index", "gather"}
 
 
+def floating(dtype: str) -> bool:
+    """Whether a node's recorded dtype (``"torch.float32"``; ``""`` for no tensor) is a
+    floating-point one."""
+    return getattr(torch, dtype.removeprefix("torch."), torch.int64).is_floating_point
+
+
 def _mark_requires_grad(graph: nx.DiGraph) -> None:
     """``requires_grad``: a float value computed from a parameter (inputs and buffers,
     such as rotary cos / sin, need no gradient)."""
     for n in nx.topological_sort(graph):
         d = graph.nodes[n]
         d["requires_grad"] = d["is_param"] if d["kind"] == "placeholder" else (
-            getattr(torch, d["dtype"].removeprefix("torch."), torch.int64).is_floating_point
-            and any(graph.nodes[p]["requires_grad"] for p in graph.predecessors(n)))
+            floating(d["dtype"]) and any(graph.nodes[p]["requires_grad"] for p in graph.predecessors(n)))
 
 
 def _keeps(graph: nx.DiGraph, consumer: str, value: str) -> bool:
