@@ -19,6 +19,8 @@ Formulation (units and choices from ``planner.strategies``):
     s.t.      sum x[u,c] (weights + grads + optimizer + in-flight activations)
                   <= usable memory per device              (bytes, not counts)
               tied parameters take one placement across their uses
+              a unit that does not cut replicated inputs itself takes a sharded
+                  layout only where some input arrives in it (_forbid_unmade_chunks)
               user pins remove the choices that contradict them.
 
 Repeated layers share variables: units and tensors are keyed by their counterpart
@@ -261,6 +263,7 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
                 w = prob.add_variable(f"w_{ti}_{si}_{li}", lowBound=0)
                 prob += w >= pulp.lpSum(vs) + z - 1
                 objective.append(cost * w)
+    _forbid_unmade_chunks(prob, units, tensor_map, x)
     # CBC gives up on coefficients this large, which would read as "nothing fits"
     worst = max((abs(coef) for term in objective for coef in term.values()), default=0.0)
     if not worst < ABSURD_S:
@@ -293,6 +296,34 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
     gap = 0.0 if status == "Optimal" else None
     return Solution(choice, float(pulp.value(prob.objective) or 0.0), status, name,
                     prob.numVariables(), prob.numConstraints(), solve_time, gap, reshard_total, edges)
+
+
+def _chunks(src: tuple[str, ...], dst: tuple[str, ...]) -> bool:
+    """``src -> dst`` cuts a replicated tensor locally on some mesh dim."""
+    return any(a == "R" and b not in ("R", "P") for a, b in zip(src, dst))
+
+
+def _forbid_unmade_chunks(prob: pulp.LpProblem, units: dict[str, Unit], tensor_map: dict[str, Tensor],
+                          x: dict[str, list]) -> None:
+    """A unit that does not cut replicated inputs itself (``Unit.cuts_inputs``: no module
+    boundary the executor converts, no sharded weight for DTensor to follow) may take a
+    layout that needs its inputs cut only if one of them arrives in it already: for each
+    such choice of consumer ``v`` with ``k`` input tensors,
+    ``x[v,c] + sum_t sum_{s: out(s) cut to in(c)} x[producer(t), s] <= k``."""
+    inputs: dict[str, list[Tensor]] = defaultdict(list)
+    for t in tensor_map.values():
+        for cons in t.consumers:
+            inputs[cons].append(t)
+    for cons, ts in inputs.items():
+        cu = units[cons]
+        if cu.cuts_inputs:
+            continue
+        for v, c in zip(x[cons], cu.choices):
+            lay = c.inp if cu.kind == "anchor" else c.out
+            cut = [[xv for xv, pc in zip(x[t.producer], units[t.producer].choices) if _chunks(pc.out, lay)]
+                   for t in ts]
+            if all(cut):
+                prob += v + pulp.lpSum(xv for each in cut for xv in each) <= len(ts)
 
 
 def realised_resharding(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],

@@ -75,6 +75,7 @@ from planner.strategies import (
     fsdp_degree,
     fsdp_host_s,
     loss_mean_s,
+    norm_module_node,
     unit_params,
 )
 from planner.tracer import totals, trace
@@ -518,7 +519,7 @@ def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
         elif u.kind == "segment":
             for n in u.nodes:
                 nd = graph.nodes[n]
-                if nd["short"] in REDUCING_OPS and nd["module"] and len(nd["shape"]) == 3:
+                if norm_module_node(nd):
                     pl = [*_lead(cand), *(concrete(x, nd["shape"], seq) for x in c.out)]
                     pat = fqn_pattern(nd["module"])
                     out[pat] = ModuleLayout(module=pat, input=pl, output=pl)
@@ -770,13 +771,14 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
         if tp == 1:
             return
         if unit.kind == "anchor":
+            if unit.choices and not unit.choices[0].weights:
+                return  # attention: heads sharded where its inputs arrive so, as DTensor runs it
             # a linear is named by its module (q_proj.weight), a fused MoE product by its
             # parameter (Mixtral's experts.gate_up_proj / experts.down_proj, one module)
             names = [unit.module, *(unit.choices[0].weights if unit.choices else ())]
             leaves = [name.rsplit(".", 1)[-1] for name in names]
             want = ("col" if any(_COLWISE.search(leaf) for leaf in leaves)
-                    else "row" if any(_ROWWISE.search(leaf) for leaf in leaves)
-                    else "col" if not unit.choices or not unit.choices[0].weights else "rep")
+                    else "row" if any(_ROWWISE.search(leaf) for leaf in leaves) else "rep")
             # a dimension tp does not divide (GPT-2's 50257-token vocabulary under the
             # vocabulary-parallel embedding and head) leaves that module replicated
             unit.choices = ([c for c in unit.choices if c.name == want]

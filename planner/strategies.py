@@ -125,6 +125,9 @@ class Unit:
     weight: int  # how many real units this canonical one stands for
     module: str
     choices: list[Choice] = field(default_factory=list)
+    # whether a replicated input is cut to this unit's layout (a local chunk) even when
+    # none of its other inputs arrives so: see ``cuts_replicated_inputs``
+    cuts_inputs: bool = True
 
 
 def concrete(layout: str, shape: Sequence[int], seq_len: int) -> str | None:
@@ -421,6 +424,26 @@ def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float) -> l
     return out
 
 
+def norm_module_node(node: dict) -> bool:
+    """A node of a norm module over the hidden states (``[b, s, h]``): the executor
+    converts such a module's input and output to the plan's layouts (plan.modules)."""
+    return node["short"] in REDUCING_OPS and bool(node["module"]) and len(node["shape"]) == 3
+
+
+def cuts_replicated_inputs(graph: nx.DiGraph, kind: str, members: Sequence[str]) -> bool:
+    """Whether a unit's replicated input is cut to the unit's sharded layout whatever its
+    other inputs are.  A local chunk happens where the executor converts a module's input
+    (a norm module's; a projection's, whose sharded weight DTensor also follows where no
+    module boundary lies, as in the second product of Mixtral's experts).  Elsewhere
+    DTensor decides, and it cuts a replicated operand only to match one that arrives
+    sharded (an elementwise op's): with every input replicated (GPT-2's attention after
+    the q/k/v split gathers them, a loss on a replicated head's logits) the op runs
+    replicated, so the ILP may not price it sharded behind a free chunk."""
+    if kind == "anchor":
+        return bool(graph.nodes[members[0]]["params"])
+    return any(norm_module_node(graph.nodes[n]) for n in members)
+
+
 def _cuts_features(node: dict) -> bool:
     """Whether ``node`` cuts the dim a feature (``H``) layout shards: the last of a tensor
     of up to 3 dims (attention's 4-D tensors shard their heads, not the last)."""
@@ -505,7 +528,8 @@ def build_units(ctx: Context, graph: nx.DiGraph) -> tuple[dict[str, Unit], dict[
     for key, members in groups.items():
         kind = "anchor" if key in anchors else "segment"
         mult = sum(layer_weight(graph, n) for n in members)
-        unit = Unit(key, kind, sorted(members), mult, graph.nodes[key]["module"])
+        unit = Unit(key, kind, sorted(members), mult, graph.nodes[key]["module"],
+                    cuts_inputs=cuts_replicated_inputs(graph, kind, [key] if kind == "anchor" else members))
         if kind == "anchor":
             unit.choices = anchor_choices(ctx, graph, key, mult)
         else:

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -796,6 +797,55 @@ def test_gpt2_tensor_parallel_forward_gathers_only_its_qkv_split() -> None:
         executor.rng.deactivate()
     gathers = sum(n for op, n in comm.get_comm_counts().items() if "all_gather" in str(op))
     assert gathers == layers, comm.get_comm_counts()
+
+
+class _AttentionSpy(TorchFunctionMode):
+    """Records the query's placements of every attention call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.placements: list[tuple[Any, ...]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is F.scaled_dot_product_attention and isinstance(args[0], DTensor):
+            self.placements.append(tuple(args[0].placements))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_attention_runs_in_the_layout_the_planner_prices(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ILP may not price attention head-sharded behind a free chunk of replicated
+    q/k/v: GPT-2's split gathers them, and DTensor then runs attention replicated (the
+    planner priced it 1/tp, hand tp4 of GPT-2 at 20.4 ms where it is 21.7).  Llama's
+    column-parallel q/k/v arrive head-sharded, and attention runs so."""
+    import planner.search
+
+    searched: list[Any] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        searched.append(found := search(*args, **kwargs))
+        return found
+
+    search = planner.search._search
+    monkeypatch.setattr(planner.search, "_search", spy)
+    preset = {"gpt2": "gpt2-tiny", "llama": "llama-tiny"}[model]
+    plan = planner.hand_plan(preset, devices=2, profile="cpu-gloo-local", tp=2, batch_size=BATCH, seq_len=SEQ)
+    best = searched[-1].best
+    (priced,) = {c.inp[-1] for key, c in best.solution.choice.items()
+                 if best.units[key].kind == "anchor" and best.units[key].choices[0].weights == {}
+                 and "attn" in best.units[key].module}
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        executor.rng.manual_seed(SEED)
+        sharded = executor.apply(plan, build(Case(model)))
+        with _AttentionSpy() as attention:
+            sharded(input_ids=torch.zeros(BATCH, SEQ, dtype=torch.long))
+    finally:
+        torch.distributed.destroy_process_group()
+        executor.rng.deactivate()
+    ran = {p[-1] for p in attention.placements}
+    assert ran == {Replicate() if priced == "R" else Shard(1)}, (priced, ran)
+    assert priced == {"gpt2": "R", "llama": "H"}[model]
 
 
 @pytest.mark.parametrize("learned", [False, True], ids=["dtensor", "local-blocks"])
