@@ -531,7 +531,11 @@ class _LastConversion:
         if self._entry is None:
             return None
         src, version, want, out = self._entry
-        return out if src() is t and _version(t) == version and want == target else None
+        if want != target:
+            return None
+        if out is t:  # a child module reading its parent's converted input (attention's q_proj)
+            return out
+        return out if src() is t and _version(t) == version else None
 
     def put(self, t: torch.Tensor, target: list[Placement], out: torch.Tensor) -> torch.Tensor:
         self._entry = (weakref.ref(t, self._drop), _version(t), target, out)
@@ -564,7 +568,14 @@ def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLa
 
         def convert(t: torch.Tensor) -> torch.Tensor:
             t = as_dtensor(t)
-            return t if list(t.placements) == target else _redistributed(t, target)
+            if list(t.placements) != target:
+                return _redistributed(t, target)
+            # Megatron's f: a module input that stays replicated, read by column-parallel
+            # projections, gets back a pending-sum gradient; reduced here, at the boundary,
+            # the norm before it sees whole gradients, so its weight's are whole too
+            # (left pending, they reached the residual stream summed and each norm weight
+            # needed an all-reduce of its own: one by one under FSDP2)
+            return _GradNotPartial.apply(t) if shared and any(isinstance(p, Replicate) for p in target) else t
 
         out = local_regions.convert(t, convert)
         return last.put(t, target, out) if shared else out

@@ -175,23 +175,33 @@ def _placed(chosen: Iterable[Choice]) -> dict[str, tuple[str, ...]]:
     return {fqn_pattern(f): pl for c in chosen for f, pl in c.weights.items()}
 
 
-def _partial_grads(ctx: Context, graph: nx.DiGraph, placed: Mapping[str, tuple[str, ...]]
-                   ) -> list[tuple[str, float, int]]:
+def _partial_grads(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit], sol: Solution,
+                   placed: Mapping[str, tuple[str, ...]]) -> list[tuple[str, float, int]]:
     """(collective, local gradient bytes, mesh dim) per gradient left Partial on a dim.
 
     ``executor.apply`` reduces them once per backward: a parameter replicated on a
-    model-parallel dim meets activations (or their gradients) split over that dim, a
-    pending sum there (all-reduce to R).  Parameters no anchor places (norm weights) are
-    replicated everywhere.  (A row-parallel weight's gradient is not Partial: the
-    residual stream's gradient is reduced at each column-parallel block input, Megatron's
-    f, which the ILP charges as ``ilp.partial_grad_s``.)
+    model-parallel dim whose unit's activations are split over that dim (a norm under
+    sequence parallelism: each rank sums its tokens' share) has a pending sum there
+    (all-reduce to R).  Parameters no anchor places (norm weights) are replicated
+    everywhere.  On replicated activations the gradient is whole: the executor reduces
+    the pending gradient of a replicated block input where the column-parallel
+    projections read it (Megatron's f, which the ILP charges as ``ilp.partial_grad_s``),
+    before the norm that made it; so neither a norm's nor a row-parallel weight's
+    gradient is Partial there.
     """
     per = state_bytes_per_param(ctx.optimizer)
+    layout: dict[str, tuple[str, ...]] = {}  # parameter pattern -> its unit's activations
+    for key, c in sol.choice.items():
+        for n in units[key].nodes:
+            for fqn in graph.nodes[n].get("params", {}).values():
+                layout[fqn_pattern(fqn)] = c.inp if units[key].kind == "anchor" else c.out
     out = []
     for fqn, shape in graph.graph["param_shapes"].items():
-        pl = placed.get(fqn_pattern(fqn), ("R",) * len(ctx.mesh_shape))
+        pat = fqn_pattern(fqn)
+        pl = placed.get(pat, ("R",) * len(ctx.mesh_shape))
+        acts = layout.get(pat)
         for i in ctx.free_dims:
-            if ctx.mesh_shape[i] == 1 or pl[i] != "R":
+            if ctx.mesh_shape[i] == 1 or pl[i] != "R" or (acts is not None and acts[i] == "R"):
                 continue
             shards = math.prod(n for j, (n, p) in enumerate(zip(ctx.mesh_shape, pl))
                                if p.startswith("S(") and j != i)
@@ -218,7 +228,7 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     stage = StageCost(
         forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m, recompute_s=recompute / m,
         blocking_comm_s=(sol.reshard_s + sum(c.comm_s for c in chosen)) / m + loss_mean_s(ctx)
-        + partial_grad_time(ctx.profile, ctx.mesh_shape, _partial_grads(ctx, graph, placed),
+        + partial_grad_time(ctx.profile, ctx.mesh_shape, _partial_grads(ctx, graph, units, sol, placed),
                             bucketed=math.prod(ctx.mesh_shape[i] for i in data_dims) == 1),
         gather_forward_s=gather / (2 * m),
         gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen) + reduce_lat,

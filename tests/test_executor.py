@@ -337,6 +337,10 @@ def test_tensor_parallel_blocks_run_on_local_shards(world2: dict, world4: dict) 
     # adds it on every rank, which the check, run on parameters of a fixed pattern rather
     # than Hugging Face's zero-initialised biases, now sees
     assert world2[Case("llama", {"tp": 2}, dropout=0.1, bias=True).name]["local"] == []
+    # the planner's plans convert each block's input at its boundary, which reduces the
+    # pending gradient there (Megatron's f): whole layers run locally with or without SP
+    for name in (*PLANNER_MESHES, *HAND_LAYOUTS):
+        assert world4["planned"][name]["local"] == whole, name
 
 
 @pytest.mark.parametrize("mesh", [*PLANNER_MESHES, *HAND_LAYOUTS])
@@ -797,6 +801,34 @@ def test_gpt2_tensor_parallel_forward_gathers_only_its_qkv_split() -> None:
         executor.rng.deactivate()
     gathers = sum(n for op, n in comm.get_comm_counts().items() if "all_gather" in str(op))
     assert gathers == layers, comm.get_comm_counts()
+
+
+@pytest.mark.parametrize("mesh", [{"tp": 2}, {"dp": 2, "tp": 2}], ids=["tp2", "dp2xtp2"])
+def test_block_inputs_reduce_their_pending_gradients_at_the_boundary(mesh: dict[str, int]) -> None:
+    """Without sequence parallelism attention's and the MLP's input is replicated and its
+    gradient comes back from the column-parallel projections a pending sum.  It is
+    reduced where the block is entered (Megatron's f: one all-reduce per block input and
+    the head's), so the norm before it, and its weight's gradient, see whole values.  Left
+    pending to the residual stream, each norm weight's gradient needed an all-reduce of
+    its own, which FSDP2 issues one by one: dp2 x tp2 backward had 10 all-reduces, now 5."""
+    layers = PRESETS["llama-tiny"]["num_hidden_layers"]
+    devices = mesh.get("dp", 1) * mesh["tp"]
+    torch.distributed.init_process_group("fake", rank=0, world_size=devices, store=FakeStore())
+    try:
+        plan = planner.hand_plan("llama-tiny", devices=devices, profile="cpu-gloo-local", batch_size=BATCH,
+                                 seq_len=SEQ, **mesh)
+        executor.rng.manual_seed(SEED)
+        model = executor.apply(plan, build(Case("llama")))
+        ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        with _Collectives() as backward:
+            loss.backward()
+        norms = {n: p.grad.placements for n, p in model.named_parameters() if "norm" in n}
+    finally:
+        torch.distributed.destroy_process_group()
+        executor.rng.deactivate()
+    assert backward.counts["all_reduce"] == 2 * layers + 1, backward.counts
+    assert all(not any(p.is_partial() for p in placements) for placements in norms.values()), norms
 
 
 class _AttentionSpy(TorchFunctionMode):
