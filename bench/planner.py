@@ -36,10 +36,23 @@ hands = {"DDP": dict(dp=devices), "FSDP": dict(dp=devices, fsdp=True)}
 cfg = planner.load_config(name)
 heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "n_head", 1)
 tp = min(8, devices, heads)
+
+def sequence_parallel() -> bool:
+    # whether hand_plan can shard this model's residual stream by sequence (not GPT-2's or
+    # Mixtral's, whose norms share a segment with ops on flattened tokens)
+    try:
+        planner.estimate(name, devices, profile, dp=devices // tp, tp=tp, sp=True, batch_size=batch,
+                         require_fit=False)
+    except planner.PlanningError as e:
+        return not str(e).startswith("sp:")
+    return True
+
+
 if tp > 1:
+    sp = sequence_parallel()
     if devices > tp:  # FSDP shards over dp: with dp 1 this is Megatron's layout below
-        hands["FSDP+TP (TorchTitan)"] = dict(dp=devices // tp, tp=tp, fsdp=True, sp=True)
-    hands["TP+SP (Megatron)"] = dict(dp=devices // tp, tp=tp, sp=True)
+        hands["FSDP+TP (TorchTitan)"] = dict(dp=devices // tp, tp=tp, fsdp=True, sp=sp)
+    hands["TP+SP (Megatron)"] = dict(dp=devices // tp, tp=tp, sp=sp)
 best = {}
 for label, hand in hands.items():
     best[label] = None

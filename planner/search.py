@@ -657,6 +657,19 @@ def _nothing_fits(model: Any, devices: int, prof: Profile, meshes: int, found: S
     return f"{memory}; batch_size rules out the other meshes: {blocked}" if blocked else memory
 
 
+def _flat_tokens(graph: nx.DiGraph, units: Sequence[Unit]) -> str:
+    """What keeps the residual stream's segments from a sequence layout: an op on tokens
+    flattened into one dim (GPT-2's Conv1D views the hidden states as ``[tokens, features]``,
+    Mixtral's router works on ``[tokens, experts]``), traced in the norm's segment since no
+    product lies between them."""
+    for unit in units:
+        for n in unit.nodes:
+            d = graph.nodes[n]
+            if len(d["shape"]) < 3:
+                return f"{d['short']} to {list(d['shape'])} in {d['module'] or 'the model'}"
+    return "ops whose tensors have no sequence dim"
+
+
 def model_label(model: Any) -> str:
     from planner.presets import model_name
 
@@ -794,10 +807,17 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
             unit.choices = ([c for c in unit.choices if c.name == want]
                             or [c for c in unit.choices if c.name == "rep"])
         else:
-            if not any(c.name == "H" for c in unit.choices):  # norms, residual stream: SP or replicated
-                want = "Q" if sp and any(c.name == "Q" for c in unit.choices) else "R"
+            if not any(c.name == "H" for c in unit.choices):
+                # the residual stream and its norms sequence-parallel with sp (TorchTitan's
+                # SequenceParallel); anything else without heads replicated (GPT-2's q/k/v
+                # split, whose input is the flat 2-D product and cannot be cut by sequence)
+                stream = any(norm_module_node(graph.nodes[n]) for n in unit.nodes)
+                want = "Q" if sp and stream and any(c.name == "Q" for c in unit.choices) else "R"
                 unit.choices = [c for c in unit.choices if c.name == want]
+                if stream:
+                    streams.append((unit, want))
 
+    streams: list[tuple[Unit, str]] = []  # the residual stream's segments, as pinned
     fixed = {"fsdp": fsdp, "checkpointing": checkpointing, "microbatches": microbatches,
              "schedules": ((schedule, virtual_stages),)}
 
@@ -806,6 +826,10 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
                        lambda _m: None, fixed=fixed, pins=hand, lift_memory=lift_memory)
 
     found = search(lift_memory=False)
+    if sp and not any(want == "Q" for _, want in streams):
+        raise PlanningError(f"sp: {model_label(model)}'s norms are traced in one segment with "
+                            f"{_flat_tokens(graph, [u for u, _ in streams])}, which the planner cannot "
+                            "split by sequence: sequence parallelism is not available for this model")
     if found.best is None and not require_fit:
         found = search(lift_memory=True)  # only now: a layout that fits keeps the bound's choices
     if found.best is None:

@@ -709,3 +709,19 @@ def test_norm_weight_gradients_are_pending_sums_only_under_sequence_parallelism(
                                     search._placed(best.solution.choice.values()))
     norms = sum(1 for fqn in graph.graph["param_shapes"] if "norm" in fqn)
     assert len(pending) == (norms if sp else 0)
+
+
+def test_sequence_parallelism_is_refused_where_the_stream_cannot_be_cut_by_sequence() -> None:
+    """GPT-2's Conv1D views the hidden states as [tokens, features] and Mixtral's router
+    works on flattened tokens, traced in one segment with the norms: no sequence layout
+    exists there.  hand_plan pinned every segment without heads to it anyway, and the ILP,
+    left with no choice, read as a memory failure ("the leanest layout needs 2.7 MiB per
+    device, 5.3 GiB usable"); it now says why, and Llama keeps its sequence-parallel norms."""
+    mixtral = {**PRESETS["llama-tiny"], "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+    for model, what in (("gpt2-tiny", r"view to \[\d+, \d+\] in transformer\.h\.0\.attn\.c_attn"),
+                        (mixtral, r"\w+ to \[[\d, ]+\] in model\.layers\.0\.mlp\.")):
+        with pytest.raises(planner.PlanningError, match=rf"^sp: .*norms are traced in one segment with {what}"):
+            planner.hand_plan(model, 2, "cpu-gloo-local", tp=2, sp=True, batch_size=8, seq_len=64)
+    plan = planner.hand_plan("llama-tiny", 2, "cpu-gloo-local", tp=2, sp=True, batch_size=8, seq_len=64)
+    norm = {m.module: m for m in plan.modules}["model.layers.*.input_layernorm"]
+    assert norm.input[-1] == norm.output[-1] == "S(1)"
