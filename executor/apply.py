@@ -531,11 +531,12 @@ class _LastConversion:
         if self._entry is None:
             return None
         src, version, want, out = self._entry
-        if want != target:
-            return None
-        if out is t:  # a child module reading its parent's converted input (attention's q_proj)
-            return out
-        return out if src() is t and _version(t) == version else None
+        return out if src() is t and _version(t) == version and want == target else None
+
+    def produced(self, t: torch.Tensor, target: list[Placement]) -> bool:
+        """Whether ``t`` is the last conversion's result, in ``target``: a child module
+        reading its parent's converted input (attention's q_proj)."""
+        return self._entry is not None and self._entry[3] is t and self._entry[2] == target
 
     def put(self, t: torch.Tensor, target: list[Placement], out: torch.Tensor) -> torch.Tensor:
         self._entry = (weakref.ref(t, self._drop), _version(t), target, out)
@@ -565,17 +566,22 @@ def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLa
                             f"{t.dim()}-D activation {list(t.shape)} does not have")
         if shared and (done := last.get(t, target)) is not None:
             return done
+        # Megatron's f: a module input that stays replicated, read by column-parallel
+        # projections, gets back a pending-sum gradient; reduced where the outermost such
+        # module is entered, the norm before it sees whole gradients, so its weight's are
+        # whole too (left pending, they reached the residual stream summed and each norm
+        # weight needed an all-reduce of its own: one by one under FSDP2).  A child reading
+        # its parent's converted input adds none (it would reduce each child's share); it
+        # still crosses ``local_regions.convert``, one tape step in a recording as in the
+        # replay, where the parent's result may be another (local) tensor.
+        reduce_grad = (shared and any(isinstance(p, Replicate) for p in target)
+                       and not last.produced(t, target))
 
         def convert(t: torch.Tensor) -> torch.Tensor:
             t = as_dtensor(t)
             if list(t.placements) != target:
                 return _redistributed(t, target)
-            # Megatron's f: a module input that stays replicated, read by column-parallel
-            # projections, gets back a pending-sum gradient; reduced here, at the boundary,
-            # the norm before it sees whole gradients, so its weight's are whole too
-            # (left pending, they reached the residual stream summed and each norm weight
-            # needed an all-reduce of its own: one by one under FSDP2)
-            return _GradNotPartial.apply(t) if shared and any(isinstance(p, Replicate) for p in target) else t
+            return _GradNotPartial.apply(t) if reduce_grad else t
 
         out = local_regions.convert(t, convert)
         return last.put(t, target, out) if shared else out
