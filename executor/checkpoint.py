@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,8 @@ def save(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     """Write model (and optimizer) state, the step and the RNG state to ``path``; collective."""
     final = Path(path)
     staging = final.with_name(final.name + ".incomplete")
+    retired = final.with_name(final.name + ".old")
+    _check_replaceable(final, staging, retired)  # every rank: all raise, or none
     if _rank() == 0 and staging.exists():
         shutil.rmtree(staging)  # debris of an earlier interrupted save
     _barrier()
@@ -66,7 +70,6 @@ def save(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
         }
         (staging / RECORD).write_text(json.dumps(record, indent=2))
         if final.exists():
-            retired = final.with_name(final.name + ".old")
             shutil.rmtree(retired, ignore_errors=True)
             final.rename(retired)
             staging.rename(final)
@@ -76,6 +79,25 @@ def save(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     _barrier()  # nobody returns before the checkpoint is visible under its name
 
 
+def _ours(directory: Path) -> bool:
+    """Whether ``directory`` holds only what a save writes: DCP's shards and metadata and
+    the record (an interrupted save's debris has no record yet)."""
+    return all(f.name == RECORD or f.name == ".metadata" or f.suffix == ".distcp" for f in directory.iterdir())
+
+
+def _check_replaceable(final: Path, staging: Path, retired: Path) -> None:
+    """Refuse, before writing anything, to save over what is not a checkpoint: ``save``
+    replaces ``path`` and clears ``<path>.incomplete`` and ``<path>.old``, and once did so
+    with whatever directory stood there (a run directory and its logs)."""
+    if final.exists() and not (final.is_dir() and (final / RECORD).is_file() and _ours(final)):
+        raise CheckpointError(f"path: {final} exists and is not a meshplan checkpoint; save replaces only "
+                              "a checkpoint, so choose a new path or remove it")
+    for debris in (staging, retired):
+        if debris.exists() and not (debris.is_dir() and _ours(debris)):
+            raise CheckpointError(f"path: {debris} exists and is not a save's debris; save would remove it, "
+                                  "so choose another path or remove it")
+
+
 def load(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | None = None) -> int | None:
     """Load what :func:`save` wrote into ``model`` (and ``optimizer``), resharding as needed.
 
@@ -83,10 +105,12 @@ def load(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     record = _read_record(Path(path))
     if optimizer is not None and not record["optimizer"]:
         raise CheckpointError(f"optimizer: {path} was saved without optimizer state")
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [], options=_OPTIONS)
-    _check_model(Path(path), model_sd)
+    with _no_grads(optimizer):
+        model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [], options=_OPTIONS)
+    _check_state(Path(path), "model", model_sd)
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
+        _check_state(Path(path), "optim", optim_sd)
         state["optim"] = optim_sd
     dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer if optimizer is not None else [],
@@ -96,33 +120,54 @@ def load(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     return record["step"]
 
 
-def _check_model(path: Path, model_sd: dict[str, Any]) -> None:
-    """The checkpoint's model state against the model's, by FQN and global shape, from
-    DCP's metadata: DCP's own error for a mismatch is a multi-rank traceback in a
-    BaseException (``CheckpointException``), which ``except Exception`` does not catch.
+@contextmanager
+def _no_grads(optimizer: Optimizer | None) -> Iterator[None]:
+    """Gradients out of the way while ``get_state_dict`` reads an optimizer that has not
+    stepped yet: it creates the state entries that loading fills (a step on zero
+    gradients) only where no parameter has a gradient, and a loop that ran a backward
+    before loading would otherwise have had none loaded."""
+    params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+    kept = [p.grad for p in params] if params and not optimizer.state else []
+    for p in params[: len(kept)]:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, kept, strict=False):
+            p.grad = g
+
+
+def _check_state(path: Path, section: str, held_sd: dict[str, Any]) -> None:
+    """The checkpoint's ``section`` ("model" or "optim") against the loading side's, by key
+    and global shape, from DCP's metadata: DCP's own error for a mismatch is a multi-rank
+    traceback in a BaseException (``CheckpointException``), which ``except Exception``
+    does not catch (an AdamW checkpoint loaded into SGD raised one; one saved before the
+    first step, loaded into a stepped optimizer, silently kept the old moments).
 
     A pipeline rank holds its stages' entries only, so the ranks pool what they hold
-    (collective): every rank then judges the whole model and raises the same error (a
+    (collective): every rank then judges the whole state and raises the same error (a
     rank that raised alone would leave the others in DCP's collectives)."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    prefix = "model."  # the state saved is {"model": ..., "optim": ...}, flattened
-    held = {fqn: tuple(v.shape) if hasattr(v, "shape") else None for fqn, v in model_sd.items()}
+    prefix = section + "."  # the state saved is {"model": ..., "optim": ...}, flattened
+    held = {key: tuple(v.shape) if hasattr(v, "shape") else None for key, v in held_sd.items()}
     if dist.is_initialized():
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, held)
-        held = {fqn: shape for rank in every for fqn, shape in rank.items()}
+        held = {key: shape for rank in every for key, shape in rank.items()}
+    side = {"model": "model", "optim": "optimizer"}[section]
     problems = []
-    for fqn, shape in sorted(held.items()):
-        meta = saved.get(prefix + fqn)
+    for key, shape in sorted(held.items()):
+        meta = saved.get(prefix + key)
         if meta is None:
-            problems.append(f"{fqn}: in the model, not in the checkpoint")
+            problems.append(f"{key}: in the {side}, not in the checkpoint")
         elif hasattr(meta, "size") and shape is not None and tuple(meta.size) != shape:
-            problems.append(f"{fqn}: checkpoint shape {list(meta.size)}, model shape {list(shape)}")
-    problems += [f"{key[len(prefix):]}: in the checkpoint, not in the model"
+            problems.append(f"{key}: checkpoint shape {list(meta.size)}, {side} shape {list(shape)}")
+    problems += [f"{key[len(prefix):]}: in the checkpoint, not in the {side}"
                  for key in sorted(saved) if key.startswith(prefix) and key[len(prefix):] not in held]
     if problems:
-        raise CheckpointError(f"model: {path} does not fit the model ({len(problems)} problem(s)):\n  "
-                              + "\n  ".join(problems))
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise CheckpointError(f"{side}: {path} does not fit the {side} ({len(problems)} problem(s)):\n  "
+                              + "\n  ".join(shown))
 
 
 def _read_record(path: Path) -> dict[str, Any]:

@@ -147,6 +147,48 @@ def test_save_replaces_an_older_checkpoint_and_clears_debris(tmp_path: Path) -> 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_save_does_not_replace_what_is_not_a_checkpoint(tmp_path: Path) -> None:
+    """save replaces ``path`` and clears ``<path>.incomplete`` and ``<path>.old``: it removed
+    a run directory with its log standing at ``path``, and over a plain file it failed
+    half-way with shutil's NotADirectoryError.  Each is refused before anything is written."""
+    model = build(Case("mlp"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train.log").write_text("step 1\n")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "ckpt.old").mkdir()
+    (tmp_path / "ckpt.old" / "notes.txt").write_text("mine")
+    for path, what in ((run, "run exists and is not a meshplan checkpoint"),
+                       (tmp_path / "file", "file exists and is not a meshplan checkpoint"),
+                       (tmp_path / "ckpt", "ckpt.old exists and is not a save's debris")):
+        with pytest.raises(CheckpointError, match=f"^path: .*{what}"):
+            executor.save(path, model=model, step=1)
+    assert (run / "train.log").read_text() == "step 1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.old", "file", "run"]
+
+
+def test_optimizer_state_is_checked_and_loaded_after_a_backward(tmp_path: Path) -> None:
+    """An AdamW checkpoint loaded into SGD raised DCP's multi-rank CheckpointException (a
+    BaseException); it is refused by name.  A fresh AdamW whose model already ran a backward
+    before loading got no moments loaded at all (``get_state_dict`` makes the entries that
+    loading fills only where no parameter has a gradient)."""
+    model = build(Case("mlp"))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 16)).sum().backward()
+    opt.step()
+    executor.save(tmp_path / "ckpt", model=model, optimizer=opt, step=1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(CheckpointError, match=r"^optimizer: .* does not fit the optimizer \(\d+ problem"
+                                              r"\(s\)\):\n  param_groups\.down_proj\.bias\.dampening: in the optimizer"):
+        executor.load(tmp_path / "ckpt", model=model, optimizer=sgd)
+    fresh = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 16)).sum().backward()  # gradients present when loading
+    assert executor.load(tmp_path / "ckpt", model=model, optimizer=fresh) == 1
+    for p in model.parameters():
+        assert torch.equal(fresh.state[p]["exp_avg"], opt.state[p]["exp_avg"])
+        assert p.grad is not None  # left as they were
+
+
 def test_a_checkpoint_of_another_model_is_refused_by_name(runs: dict) -> None:
     """The 4-rank FSDP + TP checkpoint loaded into a wider, deeper or shallower Llama: DCP's
     own error is a multi-rank traceback in a BaseException that ``except Exception`` misses."""
