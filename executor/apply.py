@@ -112,6 +112,12 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     world = mesh.size() if mesh is not None else dist.get_world_size() if dist.is_initialized() else 1
     layout = _check(plan, model, world, mesh)
     _refuse_hf_checkpointing_later(model, plan)
+    if plan.microbatches > 1 and plan.pipeline is None:
+        warnings.warn(f"plan.microbatches: {plan.microbatches} (gradient accumulation) is the loop's to do: "
+                      "without pipeline stages apply runs each call on the whole batch it is given, while the "
+                      f"plan's memory assumes each rank's batch in {plan.microbatches} parts; call the model on "
+                      f"each part and backward its loss / {plan.microbatches} before the optimizer step "
+                      "(docs/executor.md, Known limits)", stacklevel=2)
     on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     if plan.devices == 1:
         return deferred_init.materialize(model) if on_meta else model

@@ -1078,3 +1078,13 @@ def test_attention_dropout_on_local_shards_is_the_single_device_slice(dim: int) 
         executor.rng.deactivate()
     assert out.placements == (Shard(dim),)
     assert torch.equal(out.to_local(), reference.chunk(2, dim)[1])
+
+
+def test_micro_batches_without_a_pipeline_are_left_to_the_loop_with_a_warning() -> None:
+    """The planner raises micro-batches until activations fit; without pipeline stages
+    apply runs each call on the batch it is given, which used to pass in silence (the
+    step then needed the memory of the whole batch)."""
+    plan = planner.hand_plan("llama-tiny", devices=1, profile="cpu-gloo-local", microbatches=2,
+                             batch_size=BATCH, seq_len=SEQ)
+    with pytest.warns(UserWarning, match=r"^plan\.microbatches: 2 \(gradient accumulation\) is the loop's"):
+        executor.apply(plan, build(Case("llama")))
