@@ -277,9 +277,9 @@ def load_profile(spec: str | Path | dict | Profile, allow_paths: bool = True) ->
     pass ``allow_paths=False`` so a request cannot make the server read its files.
     """
     if isinstance(spec, Profile):
-        return spec
+        return _own_name(spec)
     if isinstance(spec, dict):
-        return Profile.model_validate(spec)
+        return _own_name(Profile.model_validate(spec))
     if not isinstance(spec, (str, Path)):
         raise TypeError(
             f"profile: expected a name, path, dict or Profile, got {type(spec).__name__}"
@@ -296,7 +296,19 @@ def load_profile(spec: str | Path | dict | Profile, allow_paths: bool = True) ->
         )
     # pydantic reports malformed JSON (bytes that are not UTF-8 too) and bad values as a
     # ValidationError naming the field.
-    return Profile.model_validate_json(path.read_bytes())
+    profile = Profile.model_validate_json(path.read_bytes())
+    return profile if path.parent == _shipped_dir() else _own_name(profile)
+
+
+def _own_name(profile: Profile) -> Profile:
+    """``profile``, unless it carries a shipped profile's name with other numbers: a plan
+    records its profile by name only, so it would read as planned for that hardware (a
+    copy of h100-sxm-80g with 1 TiB of memory planned a layout needing 130 GiB per device
+    as "h100-sxm-80g ... fits")."""
+    if profile.name in shipped_profiles() and profile != load_profile(profile.name):
+        raise ValueError(f"profile.name: {profile.name!r} is a shipped profile's name, but the numbers "
+                         "differ from it; give the profile a name of its own")
+    return profile
 
 
 def problem_lines(error: ValidationError) -> list[str]:

@@ -176,12 +176,11 @@ def _check_profile(profile: str | dict[str, Any]) -> str:
                                      f"({', '.join(shipped)}); or send the profile inline")
         return profile
     try:
-        inline = Profile.model_validate(profile)
+        inline = load_profile(profile, allow_paths=False)
     except ValidationError as e:
         raise HTTPException(422, "\n".join(f"profile.{line}" for line in problem_lines(e))) from None
-    if inline.name in shipped and inline != _shipped_profile(inline.name):
-        raise HTTPException(422, f"profile.name: {inline.name!r} is a shipped profile's name, but the "
-                                 "numbers differ from it; give the inline profile a name of its own")
+    except ValueError as e:  # a shipped profile's name with other numbers
+        raise HTTPException(422, str(e)) from None
     if inline.name in shipped:
         return inline.name
     digest = hashlib.sha256(inline.model_dump_json().encode()).hexdigest()[:8]

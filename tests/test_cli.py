@@ -128,11 +128,15 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     profile["levels"][0]["busbw"]["all_reduce"] = -1
     (tmp_path / "badprofile.json").write_text(json.dumps(profile))
     profile["levels"][0]["busbw"]["all_reduce"] = 1e-300  # valid, but no machine's: CBC gave up
-    (tmp_path / "absurdprofile.json").write_text(json.dumps(profile))
+    (tmp_path / "absurdprofile.json").write_text(json.dumps({**profile, "name": "absurd"}))
+    # a shipped name on other numbers: the plan, which records the name only, read as
+    # planned for 80 GB H100s with 1 TiB of memory ("130 GiB of 1024 GiB ... fits")
+    spoof = json.loads((Path(__file__).parents[1] / "profiles" / f"{PROFILE}.json").read_text())
+    (tmp_path / "spoof.json").write_text(json.dumps({**spoof, "memory_bytes": 2**40}))
     (tmp_path / "notadb.db").write_text("not SQLite\n" * 100)
     return {name.removesuffix(".json").removesuffix(".db"): str(tmp_path / name)
             for name in ("bert.json", "notjson.json", "notaplan.json", "badprofile.json", "absurdprofile.json",
-                         "notadb.db")} | {
+                         "spoof.json", "notadb.db")} | {
         "missing": str(tmp_path / "missing.json"), "nodir": str(tmp_path / "no" / "such" / "p.json"),
         "dir": str(tmp_path)}
 
@@ -153,6 +157,8 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["calibrate", "-o", "{dir}"], "is a directory"),
     (["plan", *TINY, "--profile", "{badprofile}"],
      "badprofile.json: levels.0.busbw.all_reduce: Input should be greater than 0 (1 problem(s))"),
+    (["estimate", *TINY, "--dp", "2", "--tp", "1", "--profile", "{spoof}"],
+     f"profile.name: {PROFILE!r} is a shipped profile's name, but the numbers differ from it"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--profile", "{absurdprofile}"],
      "s per step; a bandwidth or rate in it is out of range"),
     # flags that would change nothing (were accepted, the estimate as without them)
