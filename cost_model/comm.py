@@ -78,6 +78,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from cost_model.compute import fresh_pages_time, op_time
 from cost_model.profile import COLLECTIVE_KINDS, NetworkLevel, Profile
 
@@ -120,17 +122,31 @@ def _alpha_beta(level: NetworkLevel, kind: str, k: int) -> tuple[float, float]:
     return level.latency_s, getattr(level.busbw, kind)
 
 
-def _members_per_unit(levels: Sequence[NetworkLevel], size: int, stride: int) -> list[int]:
-    """For each level, how many members of the group share one unit of that level.
+@functools.cache
+def _members_per_unit(devices: tuple[int | None, ...], mesh_shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    """For each level (its ``devices`` per unit, None: all), how many members of a group
+    of mesh dim ``dim`` share one unit of that level, in the group and unit with fewest.
 
-    Members are ranks ``base + k*stride``; a unit of ``D`` devices holds
-    ``D // stride`` of them when ``stride < D`` (capped at the group size).
-    """
+    Ranks are laid out row-major, so a group's members are ascending and those in one unit
+    consecutive.  A group split unevenly (9 ranks on 8-device nodes: 8 + 1; the dp group
+    {6, 8, 10} of pp2 x dp3 x tp2 on 12 devices: 1 + 2) has the phase of that level run
+    among all of them across the level above: the ring passes its slowest link, and one
+    node's worth cannot be reduced first.  (It assumed ``devices // stride`` members per
+    unit, full and aligned units, and priced both at NVLink speed.)  numpy counts the
+    runs; the result is cached per mesh, since the ILP asks for the same ones many times."""
+    n = mesh_shape[dim]
+    groups = np.moveaxis(np.arange(math.prod(mesh_shape)).reshape(mesh_shape), dim, -1).reshape(-1, n)
     out = []
-    for level in levels:
-        d = level.devices
-        out.append(size if d is None else max(1, min(size, d // stride)))
-    return out
+    for d in devices:
+        if d is None:
+            out.append(n)
+            continue
+        unit = groups // d
+        starts = np.ones(unit.shape, dtype=bool)
+        starts[:, 1:] = unit[:, 1:] != unit[:, :-1]
+        first = np.flatnonzero(starts)
+        out.append(int(np.diff(np.append(first, unit.size)).min()))
+    return tuple(out)
 
 
 def _check_mesh(profile: Profile, mesh_shape: Sequence[int], dim: int) -> None:
@@ -185,8 +201,8 @@ def _phases(
     n = int(mesh_shape[dim])
     if n == 1:
         return 0.0, 0.0
-    stride = math.prod(int(s) for s in mesh_shape[dim + 1 :])
-    per_unit = _members_per_unit(profile.levels, n, stride)
+    per_unit = _members_per_unit(tuple(level.devices for level in profile.levels),
+                                 tuple(int(s) for s in mesh_shape), dim)
 
     if kind == "all_to_all":
         slowest, fixed, inner = 0.0, 0.0, 1

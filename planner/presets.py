@@ -161,6 +161,10 @@ def _check(data: dict[str, Any]) -> None:
     kv = data.get("num_key_value_heads")
     if kv and heads % kv:
         raise ConfigError(f"num_key_value_heads: {kv} does not divide num_attention_heads {heads}")
+    experts, routed = data.get("num_local_experts"), data.get("num_experts_per_tok")
+    if experts is not None and routed is not None and routed > experts:
+        # torch.export's "k not in range for dimension" from the router's topk otherwise
+        raise ConfigError(f"num_experts_per_tok: {routed} exceeds num_local_experts {experts}")
     _check_activation(data, "activation_function" if model_type == "gpt2" else "hidden_act")
     _check_rope(data)
 

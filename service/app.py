@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from functools import cache, lru_cache
 from pathlib import Path
@@ -286,6 +286,9 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
     async def create_plan(request: PlanRequest) -> Response:
         """Plan a model on a cluster; the same request again returns the stored plan (200)."""
         profile_label = _check_profile(request.profile)
+        if not isinstance(request.profile, str) and profile_label == request.profile.get("name"):
+            # a shipped profile's exact copy, sent inline: the same request as by its name
+            request = request.model_copy(update={"profile": profile_label})
         if request.batch_size is None or request.seq_len is None:
             try:  # builds the model's config: off the event loop
                 request = await run_in_threadpool(request.with_defaults, default_time_limit_s)
@@ -300,10 +303,16 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
         except ValueError as e:  # validation should have refused it: a 422, never a 500
             raise HTTPException(422, str(e)) from None
         row = store.get_by_key(key)
-        cached = row is not None
+        led = False  # whether this request's solve made the plan, or it waited on another's
+
+        def lead() -> Awaitable[StoredPlan]:
+            nonlocal led
+            led = True
+            return solve(request, key, profile_label)
+
         if row is None:
-            row = await flights.run(key, lambda: solve(request, key, profile_label))
-        return _plan_response(row, 200 if cached else 201, cached)
+            row = await flights.run(key, lead)
+        return _plan_response(row, 201 if led else 200, not led)
 
     @app.get("/v1/plans", response_model=PlanList)
     async def list_plans(limit: int = Query(100, ge=1, le=1000),

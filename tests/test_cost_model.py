@@ -242,8 +242,10 @@ def test_collective_hierarchical_split(toy):
     # all-to-all: 3/8 of S to node-mates over nvlink, 4/8 to the other node over IB, in parallel
     a2a = 1e-4 + max(s * 3 / 8 / 100e9, s * 4 / 8 / 10e9)
     assert collective_time(toy, "all_to_all", s, [8], 0) == pytest.approx(a2a)
-    # 6 ranks = 4 + 2: the inter-node phase still runs (between 2 node groups, on S/4)
-    six = 1e-5 + s * (2 * 3 / 4) / 100e9 + 1e-4 + (s / 4) * (2 * 1 / 2) / 10e9
+    # 6 ranks = 4 + 2: the node with 2 bounds it, as if every node held 2: a phase among 2
+    # inside it on S, then among 3 across nodes on S/2 (its 2 NICs bring in the other
+    # node's 4/6 of an all-gather: S/3 each).  It was priced as 2 full nodes (S/4 on IB).
+    six = 1e-5 + s * (2 * 1 / 2) / 100e9 + 1e-4 + (s / 2) * (2 * 2 / 3) / 10e9
     assert collective_time(toy, "all_reduce", s, [6], 0) == pytest.approx(six)
     # send/recv: the pipeline is bounded by its slowest (inter-node) pair
     assert collective_time(toy, "send_recv", s, [2, 4], 0) == pytest.approx(1e-4 + s / 10e9)
@@ -265,6 +267,25 @@ def test_measured_group_sizes_override_the_level_constants(toy):
         1e-3 + s * 1.5 / GB + 1e-4 + (s / 4) * 1.0 / (10 * GB))
     # a pipeline's send/recv among 4 ranks at once uses the 4-rank constants
     assert collective_time(p, "send_recv", s, [4], 0) == pytest.approx(1e-3 + s / GB)
+
+
+def test_groups_split_unevenly_across_nodes_pay_the_lone_members_link():
+    """On 8-GPU nodes, 9 ranks are 8 + 1: the lone rank's one NIC brings in 8/9 of an
+    all-gather (it cost as much as 16 ranks, 3.7 ms for 1 GB, where that NIC alone needs
+    19 ms).  And a group that crosses a node boundary at an offset (the dp group {6, 8,
+    10} of pp2 x dp3 x tp2 on 12 devices) runs on InfiniBand, not NVLink (it cost as
+    much as dp3 inside one node)."""
+    h100 = load_profile("h100-sxm-80g")
+    nvlink, ib = h100.levels
+    s = 1e9
+    assert collective_time(h100, "all_gather", s, [9], 0) == pytest.approx(
+        ib.latency_s + s * (8 / 9) / ib.busbw.all_gather)
+    assert collective_time(h100, "all_gather", s, [16], 0) == pytest.approx(
+        nvlink.latency_s + s * (7 / 8) / nvlink.busbw.all_gather + ib.latency_s + (s / 8) * (1 / 2) / ib.busbw.all_gather)
+    across = ib.latency_s + s * (2 * 2 / 3) / ib.busbw.all_reduce
+    assert collective_time(h100, "all_reduce", s, [2, 3, 2], 1) == pytest.approx(across)
+    assert collective_time(h100, "all_reduce", s, [1, 3, 2], 1) == pytest.approx(
+        nvlink.latency_s + s * (2 * 2 / 3) / nvlink.busbw.all_reduce)
 
 
 def test_dim_spanning_nodes_costs_more(toy):

@@ -164,6 +164,18 @@ def test_identical_concurrent_requests_solve_once(server: ServerProcess) -> None
     assert all(status in (200, 201) for status, _ in results), results
     assert len({body["id"] for _, body in results}) == 1
     assert server.get("/healthz")["solves"] - before == 1
+    # one request made the plan (201); the others waited on its solve: 200 and cached, as
+    # an identical request after it gets (all six said 201, not cached)
+    assert sorted((status, body["cached"]) for status, body in results) == [(200, True)] * 5 + [(201, False)]
+
+
+def test_a_shipped_profiles_copy_sent_inline_is_the_same_request(server: ServerProcess) -> None:
+    """The docs let a client send a shipped profile back inline: it is that profile, so the
+    request is the one by name (it was stored as a second plan under another id)."""
+    request = {**TINY, "batch_size": 12}
+    by_name = server.post("/v1/plans", request)[1]
+    status, inline = server.post("/v1/plans", {**request, "profile": server.get(f"/v1/profiles/{PROFILE}")})
+    assert (status, inline["cached"], inline["id"]) == (200, True, by_name["id"])
 
 
 def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:

@@ -111,6 +111,9 @@ LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
         ({**LLAMA, "max_position_embeddings": 0}, "max_position_embeddings", "must be a positive integer, got 0"),
         ({**LLAMA, "max_position_embeddings": -8}, "max_position_embeddings", "got -8"),
         ({**GPT2, "n_positions": 0}, "n_positions", "must be a positive integer, got 0"),
+        # torch.export's "k not in range for dimension" from the router's topk
+        ({**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 8},
+         "num_experts_per_tok", "8 exceeds num_local_experts 4"),
     ],
 )
 def test_bad_configs_give_one_line_errors(config, field, says):
