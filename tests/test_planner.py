@@ -215,7 +215,7 @@ def test_memory_in_messages_keeps_its_digits():
     """A tiny profile's bytes are KiB, not "0.0 GiB"."""
     from cost_model.profile import load_profile
 
-    tiny = {**load_profile("h100-sxm-80g").model_dump(), "memory_bytes": 100_000}
+    tiny = {**load_profile("h100-sxm-80g").model_dump(), "name": "tiny-memory", "memory_bytes": 100_000}
     with pytest.raises(planner.PlanningError, match=r"needs \d+\.\d KiB per device, \d+\.\d KiB usable"):
         planner.plan("llama-tiny", 2, tiny)
 
@@ -287,7 +287,7 @@ def test_tensor_parallelism_across_nodes_of_one_device():
     node's devices), 33% slower than dp8 x tp2 by the planner's own cost model."""
     from cost_model.profile import load_profile
 
-    data = load_profile("h100-sxm-80g").model_dump()
+    data = {**load_profile("h100-sxm-80g").model_dump(), "name": "one-gpu-nodes"}
     data["levels"][0]["devices"] = 1
     kw = dict(batch_size=16, seq_len=4096)
     plan = planner.plan("llama3-8b", 16, data, **kw)
@@ -434,7 +434,8 @@ def test_cpu_tensors_from_the_mmap_threshold_pay_their_fresh_pages():
     byte_s, logits = 1e-9, 512 * 32768 * 4
 
     def compute_s(fresh_page_byte_s: float) -> float:
-        profile = {**cpu, "fresh_page_byte_s": fresh_page_byte_s, "fresh_alloc_bytes": 32 * 2**20}
+        profile = {**cpu, "name": "fresh-pages", "fresh_page_byte_s": fresh_page_byte_s,
+                   "fresh_alloc_bytes": 32 * 2**20}
         return planner.estimate(config, 1, profile, batch_size=1, seq_len=512).time.compute_s
 
     assert compute_s(byte_s) - compute_s(0.0) == pytest.approx(4 * logits * byte_s)
