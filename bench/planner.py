@@ -52,7 +52,7 @@ if tp > 1:
     sp = sequence_parallel()
     if devices > tp:  # FSDP shards over dp: with dp 1 this is Megatron's layout below
         hands["FSDP+TP (TorchTitan)"] = dict(dp=devices // tp, tp=tp, fsdp=True, sp=sp)
-    hands["TP+SP (Megatron)"] = dict(dp=devices // tp, tp=tp, sp=sp)
+    hands["TP+SP (Megatron)" if sp else "TP (Megatron, no SP)"] = dict(dp=devices // tp, tp=tp, sp=sp)
 best = {}
 for label, hand in hands.items():
     best[label] = None

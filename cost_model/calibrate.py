@@ -51,7 +51,7 @@ from torch.distributed.tensor.placement_types import Placement
 from cost_model.comm import GLOO_STAGED, bus_factor, collective_time
 from cost_model.compute import fresh_pages_time
 from cost_model.memory import OPTIMIZERS
-from cost_model.profile import COLLECTIVE_KINDS, Profile
+from cost_model.profile import COLLECTIVE_KINDS, Profile, shipped_profiles
 
 # torch 2.13 renamed these (the old names warn); 2.11 has only the old ones.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -836,6 +836,9 @@ def calibrate(
     constants describe one of its ranks, and each size in ``world_sizes`` is a
     group size whose collectives run in every group of the job at once.
     """
+    if Path(output).stem in shipped_profiles():  # the profile is named after the file
+        raise ValueError(f"output: {Path(output).name} would name the profile {Path(output).stem!r}, a shipped "
+                         "profile's name, which means that profile's numbers; choose another file name")
     if not world_sizes or any(w < 2 for w in world_sizes):
         raise ValueError(f"world_sizes: need group sizes >= 2, got {list(world_sizes)}")
     if len(message_sizes) < 2:

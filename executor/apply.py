@@ -579,9 +579,10 @@ def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLa
         # weight needed an all-reduce of its own: one by one under FSDP2).  A child reading
         # its parent's converted input adds none (it would reduce each child's share); it
         # still crosses ``local_regions.convert``, one tape step in a recording as in the
-        # replay, where the parent's result may be another (local) tensor.
+        # replay, where the parent's result may be another (local) tensor.  A module that
+        # gives its input's layout back (a norm) gets no pending gradient to reduce.
         reduce_grad = (shared and any(isinstance(p, Replicate) for p in target)
-                       and not last.produced(t, target))
+                       and layout.output != layout.input and not last.produced(t, target))
 
         def convert(t: torch.Tensor) -> torch.Tensor:
             t = as_dtensor(t)

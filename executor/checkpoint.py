@@ -56,7 +56,8 @@ def save(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     if _rank() == 0 and staging.exists():
         shutil.rmtree(staging)  # debris of an earlier interrupted save
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [], options=_OPTIONS)
+    with _no_grads(optimizer):
+        model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [], options=_OPTIONS)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging),
              no_dist=not dist.is_initialized())
     _barrier()  # every rank's shards are on disk
@@ -80,16 +81,19 @@ def save(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
 
 
 def _ours(directory: Path) -> bool:
-    """Whether ``directory`` holds only what a save writes: DCP's shards and metadata and
-    the record (an interrupted save's debris has no record yet)."""
-    return all(f.name == RECORD or f.name == ".metadata" or f.suffix == ".distcp" for f in directory.iterdir())
+    """Whether ``directory`` is a checkpoint (it has the record) or a save's debris: only
+    DCP's files (shards, its metadata and the temporary file it renames into place;
+    hidden files such as NFS's are let be) and no record yet."""
+    if (directory / RECORD).is_file():
+        return True
+    return all(f.name.startswith((".", "__")) or f.suffix == ".distcp" for f in directory.iterdir())
 
 
 def _check_replaceable(final: Path, staging: Path, retired: Path) -> None:
     """Refuse, before writing anything, to save over what is not a checkpoint: ``save``
     replaces ``path`` and clears ``<path>.incomplete`` and ``<path>.old``, and once did so
     with whatever directory stood there (a run directory and its logs)."""
-    if final.exists() and not (final.is_dir() and (final / RECORD).is_file() and _ours(final)):
+    if final.exists() and not (final.is_dir() and (final / RECORD).is_file()):
         raise CheckpointError(f"path: {final} exists and is not a meshplan checkpoint; save replaces only "
                               "a checkpoint, so choose a new path or remove it")
     for debris in (staging, retired):

@@ -161,7 +161,9 @@ def _check(data: dict[str, Any]) -> None:
     kv = data.get("num_key_value_heads")
     if kv and heads % kv:
         raise ConfigError(f"num_key_value_heads: {kv} does not divide num_attention_heads {heads}")
-    experts, routed = data.get("num_local_experts"), data.get("num_experts_per_tok")
+    defaults = AutoConfig.for_model(model_type)  # what transformers fills in for a key left out
+    experts, routed = (data.get(key, getattr(defaults, key, None))
+                       for key in ("num_local_experts", "num_experts_per_tok"))
     if experts is not None and routed is not None and routed > experts:
         # torch.export's "k not in range for dimension" from the router's topk otherwise
         raise ConfigError(f"num_experts_per_tok: {routed} exceeds num_local_experts {experts}")

@@ -190,18 +190,22 @@ def _partial_grads(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit], s
     gradient is Partial there.
     """
     per = state_bytes_per_param(ctx.optimizer)
-    layout: dict[str, tuple[str, ...]] = {}  # parameter pattern -> its unit's activations
+    # parameter pattern -> the activations it meets: a segment's (a norm's), a product's
+    # input for its weight and output for its bias (a row-parallel bias is added to the
+    # reduced sum, whose gradient is whole: P reads as not split)
+    layout: dict[str, tuple[str, ...]] = {}
     for key, c in sol.choice.items():
         for n in units[key].nodes:
             for fqn in graph.nodes[n].get("params", {}).values():
-                layout[fqn_pattern(fqn)] = c.inp if units[key].kind == "anchor" else c.out
+                bias = len(graph.graph["param_shapes"][fqn]) == 1
+                layout[fqn_pattern(fqn)] = c.inp if units[key].kind == "anchor" and not bias else c.out
     out = []
     for fqn, shape in graph.graph["param_shapes"].items():
         pat = fqn_pattern(fqn)
         pl = placed.get(pat, ("R",) * len(ctx.mesh_shape))
         acts = layout.get(pat)
         for i in ctx.free_dims:
-            if ctx.mesh_shape[i] == 1 or pl[i] != "R" or (acts is not None and acts[i] == "R"):
+            if ctx.mesh_shape[i] == 1 or pl[i] != "R" or (acts is not None and acts[i] in ("R", "P")):
                 continue
             shards = math.prod(n for j, (n, p) in enumerate(zip(ctx.mesh_shape, pl))
                                if p.startswith("S(") and j != i)
@@ -658,7 +662,7 @@ def _nothing_fits(model: Any, devices: int, prof: Profile, meshes: int, found: S
 
 
 def _flat_tokens(graph: nx.DiGraph, units: Sequence[Unit]) -> str:
-    """What keeps the residual stream's segments from a sequence layout: an op on tokens
+    """What keeps a residual stream's segment from a sequence layout: an op on tokens
     flattened into one dim (GPT-2's Conv1D views the hidden states as ``[tokens, features]``,
     Mixtral's router works on ``[tokens, experts]``), traced in the norm's segment since no
     product lies between them."""
@@ -826,9 +830,9 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
                        lambda _m: None, fixed=fixed, pins=hand, lift_memory=lift_memory)
 
     found = search(lift_memory=False)
-    if sp and not any(want == "Q" for _, want in streams):
+    if sp and not (streams and all(want == "Q" for _, want in streams)):
         raise PlanningError(f"sp: {model_label(model)}'s norms are traced in one segment with "
-                            f"{_flat_tokens(graph, [u for u, _ in streams])}, which the planner cannot "
+                            f"{_flat_tokens(graph, [u for u, want in streams if want != 'Q'])}, which the planner cannot "
                             "split by sequence: sequence parallelism is not available for this model")
     if found.best is None and not require_fit:
         found = search(lift_memory=True)  # only now: a layout that fits keeps the bound's choices

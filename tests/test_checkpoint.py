@@ -165,6 +165,16 @@ def test_save_does_not_replace_what_is_not_a_checkpoint(tmp_path: Path) -> None:
             executor.save(path, model=model, step=1)
     assert (run / "train.log").read_text() == "step 1\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.old", "file", "run"]
+    # what is a checkpoint or a save's debris is still replaced: a checkpoint with a stray
+    # hidden file (NFS's), debris of a save killed while DCP renamed its metadata
+    executor.save(tmp_path / "good", model=model, step=1)
+    (tmp_path / "good" / ".nfs0001").write_text("")
+    (tmp_path / "good.incomplete").mkdir()
+    for name in ("__0_0.distcp", ".metadata.tmp"):
+        (tmp_path / "good.incomplete" / name).write_text("")
+    executor.save(tmp_path / "good", model=model, step=2)
+    assert executor.load(tmp_path / "good", model=model) == 2
+    assert not (tmp_path / "good.incomplete").exists()
 
 
 def test_optimizer_state_is_checked_and_loaded_after_a_backward(tmp_path: Path) -> None:

@@ -138,6 +138,7 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
             for name in ("bert.json", "notjson.json", "notaplan.json", "badprofile.json", "absurdprofile.json",
                          "spoof.json", "notadb.db")} | {
         "missing": str(tmp_path / "missing.json"), "nodir": str(tmp_path / "no" / "such" / "p.json"),
+        "shippedname": str(tmp_path / "cpu-gloo-local.json"),
         "dir": str(tmp_path)}
 
 
@@ -155,6 +156,8 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["plan", *TINY, "-o", ""], "-o: empty path"),
     (["plan", *TINY, "-o", "{dir}"], "is a directory"),
     (["calibrate", "-o", "{dir}"], "is a directory"),
+    # the profile is named after the file: under a shipped name every later use refuses it
+    (["calibrate", "-o", "{shippedname}"], "would name the profile 'cpu-gloo-local', a shipped profile's name"),
     (["plan", *TINY, "--profile", "{badprofile}"],
      "badprofile.json: levels.0.busbw.all_reduce: Input should be greater than 0 (1 problem(s))"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--profile", "{spoof}"],

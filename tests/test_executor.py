@@ -810,7 +810,9 @@ def test_block_inputs_reduce_their_pending_gradients_at_the_boundary(mesh: dict[
     reduced where the block is entered (Megatron's f: one all-reduce per block input and
     the head's), so the norm before it, and its weight's gradient, see whole values.  Left
     pending to the residual stream, each norm weight's gradient needed an all-reduce of
-    its own, which FSDP2 issues one by one: dp2 x tp2 backward had 10 all-reduces, now 5."""
+    its own, which FSDP2 issues one by one: dp2 x tp2 backward had 10 all-reduces, now 5
+    (tp2: 6, the norms' in one bucket).  (The norm weights' gradients end whole either
+    way, reduced by then; the count is what tells.)"""
     layers = PRESETS["llama-tiny"]["num_hidden_layers"]
     devices = mesh.get("dp", 1) * mesh["tp"]
     torch.distributed.init_process_group("fake", rank=0, world_size=devices, store=FakeStore())
@@ -823,12 +825,10 @@ def test_block_inputs_reduce_their_pending_gradients_at_the_boundary(mesh: dict[
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         with _Collectives() as backward:
             loss.backward()
-        norms = {n: p.grad.placements for n, p in model.named_parameters() if "norm" in n}
     finally:
         torch.distributed.destroy_process_group()
         executor.rng.deactivate()
     assert backward.counts["all_reduce"] == 2 * layers + 1, backward.counts
-    assert all(not any(p.is_partial() for p in placements) for placements in norms.values()), norms
 
 
 class _AttentionSpy(TorchFunctionMode):

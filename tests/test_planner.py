@@ -710,6 +710,11 @@ def test_norm_weight_gradients_are_pending_sums_only_under_sequence_parallelism(
                                     search._placed(best.solution.choice.values()))
     norms = sum(1 for fqn in graph.graph["param_shapes"] if "norm" in fqn)
     assert len(pending) == (norms if sp else 0)
+    if not sp:  # a row-parallel bias is added to the reduced sum: whole (GPT-2's c_proj.bias was charged)
+        planner.hand_plan("gpt2-tiny", 2, "cpu-gloo-local", tp=2, batch_size=8, seq_len=64)
+        graph, best = found[-1][0], found[-1][1].best
+        assert search._partial_grads(best.ctx, graph, best.units, best.solution,
+                                     search._placed(best.solution.choice.values())) == []
 
 
 def test_sequence_parallelism_is_refused_where_the_stream_cannot_be_cut_by_sequence() -> None:

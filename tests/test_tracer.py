@@ -114,6 +114,8 @@ LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
         # torch.export's "k not in range for dimension" from the router's topk
         ({**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 8},
          "num_experts_per_tok", "8 exceeds num_local_experts 4"),
+        ({**LLAMA, "model_type": "mixtral", "num_experts_per_tok": 12},  # transformers' 8 experts
+         "num_experts_per_tok", "12 exceeds num_local_experts 8"),
     ],
 )
 def test_bad_configs_give_one_line_errors(config, field, says):
