@@ -7,6 +7,7 @@ field when a number is wrong, instead of a silently absurd plan.
 
 from __future__ import annotations
 
+import functools
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
@@ -300,12 +301,20 @@ def load_profile(spec: str | Path | dict | Profile, allow_paths: bool = True) ->
     return profile if path.parent == _shipped_dir() else _own_name(profile)
 
 
+@functools.cache
+def shipped_profile(name: str) -> Profile:
+    """Shipped profile ``name``, read once per process (the package's files do not change
+    while it runs); shared, so callers must not change it (``load_profile`` gives a copy
+    of one's own)."""
+    return load_profile(name)
+
+
 def _own_name(profile: Profile) -> Profile:
     """``profile``, unless it carries a shipped profile's name with other numbers: a plan
     records its profile by name only, so it would read as planned for that hardware (a
     copy of h100-sxm-80g with 1 TiB of memory planned a layout needing 130 GiB per device
     as "h100-sxm-80g ... fits")."""
-    if profile.name in shipped_profiles() and profile != load_profile(profile.name):
+    if profile.name in shipped_profiles() and profile != shipped_profile(profile.name):
         raise ValueError(f"profile.name: {profile.name!r} is a shipped profile's name, but the numbers "
                          "differ from it; give the profile a name of its own")
     return profile

@@ -12,7 +12,7 @@ import hashlib
 import json
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from functools import cache, lru_cache
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cost_model.profile import Profile, load_profile, problem_lines, shipped_profiles
+from cost_model.profile import (
+    load_profile,
+    problem_lines,
+    shipped_profile,
+    shipped_profiles,
+)
 from planner.presets import ConfigError
 from service.models import (
     JSON_VALUE_ERROR,
@@ -152,11 +157,6 @@ def validation_message(errors: list[dict[str, Any]]) -> str:
 @lru_cache(maxsize=1)
 def _shipped_profiles() -> tuple[str, ...]:
     return tuple(shipped_profiles())
-
-
-@cache
-def _shipped_profile(name: str) -> Profile:
-    return load_profile(name)
 
 
 def _check_profile(profile: str | dict[str, Any]) -> str:
@@ -337,7 +337,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
         if name not in _shipped_profiles():
             raise HTTPException(404, f"name: {name!r} is not a shipped profile "
                                      f"({', '.join(_shipped_profiles())})")
-        return _shipped_profile(name).model_dump(mode="json")
+        return shipped_profile(name).model_dump(mode="json")
 
     @app.get("/healthz", response_model=Health)
     async def healthz() -> Health:
