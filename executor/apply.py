@@ -16,6 +16,8 @@ How the plan is realised (see docs/executor.md for the user-facing rules):
   root, outputs become plain full tensors again.
 * A plan with ``pipeline`` stages is cut into stages (executor.pipeline) once the
   parameters are placed; each stage then gets the hooks, recomputation and FSDP above.
+  Without stages, the plan's ``microbatches`` run inside the model's call
+  (executor.accumulate: forward and backward of each part of a training call).
 * Everything is checked before anything is changed, so a bad plan leaves the model
   as it was.
 """
@@ -56,6 +58,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from cost_model.profile import problem_lines
 from executor import deferred_init, local_regions, loss, outputs, pipeline, rng
+from executor.accumulate import accumulate
 from executor.data import DataParallelBatch
 from planner.schema import Fingerprint, MeshRoles, ModuleLayout, Plan, pattern_matches, shard_dim
 
@@ -112,15 +115,22 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     world = mesh.size() if mesh is not None else dist.get_world_size() if dist.is_initialized() else 1
     layout = _check(plan, model, world, mesh)
     _refuse_hf_checkpointing_later(model, plan)
-    if plan.microbatches > 1 and plan.pipeline is None:
-        warnings.warn(f"plan.microbatches: {plan.microbatches} (gradient accumulation) is the loop's to do: "
-                      "without pipeline stages apply runs each call on the whole batch it is given, while the "
-                      f"plan's memory assumes each rank's batch in {plan.microbatches} parts; call the model on "
-                      f"each part and backward its loss / {plan.microbatches} before the optimizer step "
+    # the plan's micro-batches without pipeline stages: the model's call runs them
+    # (executor.accumulate) where the loss is the model's, else the loop must
+    parts = plan.microbatches if plan.pipeline is None and plan.microbatches > 1 else 1
+    if parts > 1 and not _counts_tokens(model):
+        warnings.warn(f"plan.microbatches: {parts} (gradient accumulation) is the loop's to do for a model "
+                      "that is not a Hugging Face causal LM: apply runs each call on the whole batch it is "
+                      f"given, while the plan's memory assumes each rank's batch in {parts} parts; call the "
+                      f"model on each part and backward its loss / {parts} before the optimizer step "
                       "(docs/executor.md, Known limits)", stacklevel=2)
+        parts = 1
     on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     if plan.devices == 1:
-        return deferred_init.materialize(model) if on_meta else model
+        model = deferred_init.materialize(model) if on_meta else model
+        if parts > 1:
+            accumulate(model, parts, None)
+        return model
     if not rng.is_active() and _draws_dropout(model):
         warnings.warn("executor.rng is not seeded (or not active), so dropout draws from torch's generator: this "
                       f"{plan.devices}-device run will not reproduce the 1-device run; call "
@@ -154,6 +164,8 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     # After fully_shard: FSDP2's root post-forward hook must see the local outputs, since
     # reading a lazily globalised field would gather it (executor.outputs).
     _register_root_hooks(model, batch, model_mesh is not None, plan.activation_checkpointing)
+    if parts > 1:  # after fully_shard, whose class the model's becomes a subclass of
+        accumulate(model, parts, batch)
     return model
 
 

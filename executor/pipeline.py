@@ -55,6 +55,7 @@ from torch.func import functional_call
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from executor import loss, rng
+from executor.accumulate import StepGradients
 from executor.data import BatchError, DataParallelBatch, counted_tokens
 from planner.schema import Plan
 
@@ -469,13 +470,8 @@ class _Runner:
         # (FSDP2's gradient reduction, _step_loss) is the global mean token loss however
         # unevenly -100 labels fall over them
         self._items: torch.Tensor | float = 1.0
-        self._params = list({id(p): p for r in replicas.values() for p in r.parameters()}.values())
-        # the gradients held before this step's (accumulated by earlier calls) and this
-        # step's own, kept apart until the step's loss.backward() says by how much to
-        # scale this step's (_StepLoss)
-        self._earlier: list[torch.Tensor | None] = []
-        self._this: list[torch.Tensor | None] = []
-        self._steps = 0
+        params = {id(p): p for r in replicas.values() for p in r.parameters()}.values()
+        self.grads = StepGradients(list(params), PipelineError)
 
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
              **kwargs: Any) -> CausalLMOutputWithPast:
@@ -499,66 +495,17 @@ class _Runner:
         self._base = state["counter"] if state is not None else 0
         losses: list[torch.Tensor] = []
         first, last = 0 in self.replicas, len(self.cuts.stages) - 1 in self.replicas
-        pending = (self._earlier, self._this)  # the latest step's, until its loss's backward
-        self._set_aside()
+        pending = self.grads.set_aside()
         try:
             schedule.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}))
         except BaseException:
-            self._put_back(*pending)
+            self.grads.put_back(pending)
             if state is not None:
                 rng.set_state(state)
             raise
-        self._combine()
         if state is not None:  # every rank ends where one device's step ends
             rng.set_state({"seed": state["seed"], "counter": self._base + self.cuts.draws})
-        self._steps += 1
-        value = self._step_loss(losses, size).requires_grad_()
-        return CausalLMOutputWithPast(loss=_StepLoss.apply(value, self, self._steps))
-
-    def _set_aside(self) -> None:
-        """Gradient accumulation: the gradients earlier calls left, held apart while the
-        schedule computes this step's."""
-        self._earlier = [p.grad for p in self._params]
-        for p in self._params:
-            p.grad = None
-
-    def _put_back(self, earlier: list[torch.Tensor | None], this: list[torch.Tensor | None]) -> None:
-        """A step that failed: the gradients held before it are held again (its own are
-        dropped), and the step before it (``earlier``, ``this``) can still be scaled by
-        its loss's backward."""
-        for p, held in zip(self._params, self._earlier, strict=True):
-            p.grad = held
-        self._earlier, self._this = earlier, this
-
-    def _combine(self) -> None:
-        """The held gradients become earlier + this step's (scale 1 until ``rescale``),
-        added into the earlier tensor, so a loop that zeroes gradients in place
-        (``zero_grad(set_to_none=False)``) keeps the same gradient tensors every step."""
-        self._this = [p.grad for p in self._params]
-        with torch.no_grad():
-            for p, earlier, this in zip(self._params, self._earlier, self._this, strict=True):
-                if earlier is not None:
-                    if this is not None:
-                        _local(earlier).add_(_local(this))
-                    p.grad = earlier
-
-    def rescale(self, scale: torch.Tensor, step: int) -> None:
-        """This step's loss.backward() with gradient ``scale`` (``(loss / k).backward()`` in
-        a gradient-accumulation loop): its gradients, computed for scale 1, scaled so
-        that the held ones are earlier + scale * this step's, as on one device."""
-        if step != self._steps or not self._this:
-            raise PipelineError("loss.backward(): under a pipeline plan the forward already ran the "
-                                "step's backward; only the latest step's loss can scale its gradients, once")
-        unscaled = bool(scale == 1)  # loss.backward(): the held gradients are already right
-        with torch.no_grad():
-            for p, earlier, this in zip(self._params, self._earlier, self._this, strict=True):
-                if this is None:  # no gradient this step: the held one is the earlier calls'
-                    continue
-                if earlier is None:  # the held gradient is this step's own
-                    _local(this).mul_(scale)
-                elif not unscaled:  # held = earlier + this, made earlier + scale * this
-                    _local(p.grad).add_(_local(this) * (scale - 1))
-        self._earlier, self._this = [], []
+        return CausalLMOutputWithPast(loss=self.grads.combine(self._step_loss(losses, size)))
 
     def _refuse(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None, kwargs: dict) -> None:
         if input_ids is None or labels is None:
@@ -624,26 +571,3 @@ class _Runner:
                 dist.all_reduce(value, group=g)  # SUM: gloo has no AVG
             value = value / dp_size
         return value
-
-
-class _StepLoss(torch.autograd.Function):
-    """The step's loss as the loop sees it: its backward does not differentiate anything
-    (the schedule already ran the step's backward) but scales the step's gradients by the
-    gradient it receives, 1 for ``loss.backward()``, 1/k for ``(loss / k).backward()``."""
-
-    @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, runner: _Runner, step: int) -> torch.Tensor:
-        ctx.runner, ctx.step = runner, step
-        return value.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
-        ctx.runner.rescale(grad, ctx.step)
-        return None, None, None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor holding this rank's values, to update in place under ``no_grad`` (a
-    DTensor's local shard itself there: scaling it scales the DTensor whatever its
-    placements)."""
-    return t.to_local() if isinstance(t, DTensor) else t

@@ -148,8 +148,9 @@ def _tp_placement(fqn: str, conv1d: bool) -> str:
 
 def make_plan(model: Any, mesh: dict[str, int], fsdp: bool = False, sp: bool = False,
               batch_size: int = 8, seq_len: int = 16, checkpointing: str = "none",
-              vocab_embedding: bool = False) -> Any:
-    """A plan for an HF Llama-family / GPT-2 model or a plain MLP on ``mesh``.
+              vocab_embedding: bool = False, microbatches: int = 1) -> Any:
+    """A plan for an HF Llama-family / GPT-2 model or a plain MLP on ``mesh``, each
+    data-parallel rank's batch in ``microbatches`` parts.
 
     Dims named ``dp`` are data parallel (FSDP when ``fsdp``), ``tp`` is tensor parallel
     (with sequence parallelism when ``sp``; a Llama's ``embed_tokens`` sharded by
@@ -179,7 +180,7 @@ def make_plan(model: Any, mesh: dict[str, int], fsdp: bool = False, sp: bool = F
         devices *= v
     return s.Plan(
         model=type(model).__name__, profile="cpu-test", devices=devices, batch_size=batch_size,
-        seq_len=seq_len,
+        seq_len=seq_len, microbatches=microbatches,
         mesh=s.Mesh(dims=[s.MeshDim(name=n, size=v) for n, v in mesh.items()], device_type="cpu"),
         parameters=params, modules=modules,
         data_parallel=[s.DataParallelDim(dim="dp", mode="fully_shard" if fsdp else "replicate")]

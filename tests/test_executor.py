@@ -84,6 +84,7 @@ class Case:
     rows: int = BATCH  # global batch in sequences
     unfreeze: bool = False  # embedding and layer 0 frozen before apply, trained from the second step
     tied: bool = False  # tie_word_embeddings: the plan leaves the head replicated
+    microbatches: int = 1  # the plan's micro-batches (run inside the model's call)
 
     @property
     def name(self) -> str:
@@ -92,7 +93,8 @@ class Case:
                                  ("logits-loss", self.logits_loss),
                                  ("vocab-embedding", self.vocab_embedding), ("padded", self.padded),
                                  ("bias", self.bias), (f"rows{self.rows}", self.rows != BATCH),
-                                 ("unfreeze", self.unfreeze), ("tied", self.tied)) if on]
+                                 ("unfreeze", self.unfreeze), ("tied", self.tied),
+                                 (f"mb{self.microbatches}", self.microbatches > 1)) if on]
         ac = [] if self.checkpointing == "none" else [f"ac-{self.checkpointing}"]
         return "-".join([self.model, mesh, *flags, *ac, f"drop{self.dropout}"])
 
@@ -152,19 +154,24 @@ def train(case: Case, plan_json: str | None = None) -> dict[str, Any]:
         plan = Plan.from_json(plan_json)
     else:
         plan = make_plan(model, case.mesh, fsdp=case.fsdp, sp=case.sp, checkpointing=case.checkpointing,
-                         vocab_embedding=case.vocab_embedding)
+                         vocab_embedding=case.vocab_embedding, microbatches=case.microbatches)
     model = executor.apply(plan, model)
     # eps 1e-6, not 1e-8: some gradients are mathematically zero (GPT-2's key bias:
     # softmax ignores a per-query constant), and Adam would turn their rounding noise,
     # which differs between any two summation orders, into full-size steps; lr 1e-3
     # keeps that amplification of rounding noise in tiny gradients below 1e-5.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-    losses, grads = [], {}
+    losses, grads, rows = [], {}, []
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    seen = embed.register_forward_hook(lambda m, a, o: rows.append(a[0].shape[0])) if embed else None
     for i, (x, y) in enumerate(data):
         if case.unfreeze and i == 1:
             model.requires_grad_(True)
         loss = loss_of(model, case, x, y)
         loss.backward()
+        if seen is not None:  # the rows of the first step's forward calls
+            seen.remove()
+            seen = None
         if i == case.unfreeze:  # Adam ignores a constant factor on gradients: compare them directly
             grads = _full({n: p.grad for n, p in model.named_parameters()})
         opt.step()
@@ -177,7 +184,7 @@ def train(case: Case, plan_json: str | None = None) -> dict[str, Any]:
         with torch.inference_mode():  # a padding mask is a known limit there (docs)
             assert loss_of(model, case, *data[0]).item() == evaluation
     return {"losses": losses, "grads": grads, "params": _full(dict(model.named_parameters())),
-            "local": executor.local_regions.running_locally(model), "eval": evaluation}
+            "local": executor.local_regions.running_locally(model), "eval": evaluation, "rows": rows}
 
 
 def _full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -223,6 +230,8 @@ CASES_4 = [
     # loss that is exact although the slices count different numbers of tokens
     Case("llama", {"dp": 4}, dropout=0.1, padded=True),
     Case("llama", {"dp": 2, "tp": 2}, fsdp=True, sp=True, dropout=0.1, padded=True),
+    # the plan's micro-batches, run inside the model's call: FSDP2 reduces after the last
+    Case("llama", {"dp": 2, "tp": 2}, fsdp=True, sp=True, dropout=0.1, padded=True, microbatches=2),
 ]
 CASES_2 = [
     Case("llama", {"tp": 2}, dropout=0.1),
@@ -253,6 +262,11 @@ CASES_2 = [
     # a replicated head under sequence parallelism hands the loss sequence-split logits,
     # whose mean DTensor took per shard (the reported loss was a mean of shard means)
     Case("llama", {"tp": 2}, sp=True, padded=True, tied=True),
+    # the plan's micro-batches inside the model's call, under data parallelism (uneven
+    # token counts over the parts) and under tensor parallelism with recomputation (each
+    # part's layers recomputed with its rows' dropout masks)
+    Case("llama", {"dp": 2}, dropout=0.1, padded=True, microbatches=2),
+    Case("llama", {"tp": 2}, dropout=0.1, checkpointing="full", microbatches=4),
 ]
 
 
@@ -317,6 +331,16 @@ def test_two_ranks_match_single_device(case: Case, world2: dict, references: dic
     _assert_matches(world2[case.name], references[case.reference().name])
 
 
+def test_micro_batches_run_in_parts_on_each_rank(world2: dict, world4: dict) -> None:
+    """The cases above match one device's whole-batch step; the plan's micro-batches made
+    each rank's step run its slice in that many forward calls (one before)."""
+    for case in CASES_2 + CASES_4:
+        result = (world2 if case in CASES_2 else world4["train"])[case.name]
+        if not case.model.endswith("mlp"):
+            per_rank = case.rows // case.mesh.get("dp", 1)
+            assert result["rows"] == [per_rank // case.microbatches] * case.microbatches, case.name
+
+
 def test_tensor_parallel_blocks_run_on_local_shards(world2: dict, world4: dict) -> None:
     """Regions pass their check and run locally in the cases above (which match one
     device): under sequence parallelism whole transformer layers (norms and residual adds
@@ -331,7 +355,7 @@ def test_tensor_parallel_blocks_run_on_local_shards(world2: dict, world4: dict) 
         if name.startswith(("llama-tp2", "qwen2-tp2", "mistral-tp2", "llama-dp2xtp2")) and "-bias-" not in name:
             assert result["local"] == (whole if "-sp-" in name else blocks), name
             checked += 1
-    assert checked == 9
+    assert checked == 11
     assert world2[Case("centered-mlp", {"tp": 2}, dropout=0.1).name]["local"] == []
     # a row-parallel bias is added once to the sum of the shards' products; the local run
     # adds it on every rank, which the check, run on parameters of a fixed pattern rather
@@ -1080,11 +1104,37 @@ def test_attention_dropout_on_local_shards_is_the_single_device_slice(dim: int) 
     assert torch.equal(out.to_local(), reference.chunk(2, dim)[1])
 
 
-def test_micro_batches_without_a_pipeline_are_left_to_the_loop_with_a_warning() -> None:
+def test_micro_batches_run_inside_the_models_call() -> None:
     """The planner raises micro-batches until activations fit; without pipeline stages
-    apply runs each call on the batch it is given, which used to pass in silence (the
-    step then needed the memory of the whole batch)."""
+    apply used to run each call on the whole batch (the step then needed the memory of
+    all parts).  A training call from labels= now runs the parts (the N-rank cases above
+    check their values against one device); other calls run the batch whole."""
     plan = planner.hand_plan("llama-tiny", devices=1, profile="cpu-gloo-local", microbatches=2,
                              batch_size=BATCH, seq_len=SEQ)
-    with pytest.warns(UserWarning, match=r"^plan\.microbatches: 2 \(gradient accumulation\) is the loop's"):
-        executor.apply(plan, build(Case("llama")))
+    model = executor.apply(plan, build(Case("llama")))
+    rows: list[int] = []
+    model.model.embed_tokens.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
+    ids = batches(Case("llama"))[0][0]
+    loss = model(input_ids=ids, labels=ids).loss
+    assert rows == [BATCH // 2] * 2 and model.lm_head.weight.grad is not None  # the step's backward ran
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"^loss\.backward\(\): the model's forward already ran this step's"):
+        loss.backward()  # a second backward would scale the gradients again
+    with torch.no_grad():
+        model(input_ids=ids, labels=ids)
+    with pytest.warns(UserWarning, match=r"^plan\.microbatches: 2 parts run inside the model's call only when "
+                                         r"it trains from labels="):
+        model(input_ids=ids)
+    assert rows[2:] == [BATCH, BATCH]
+    with pytest.raises(executor.BatchError, match=r"^batch: the global batch 7 does not split into microbatches=2 "
+                                                  r"\(the plan's micro-batch count\) x 1 data-parallel ranks$"):
+        model(input_ids=ids[:7], labels=ids[:7])
+
+
+def test_micro_batches_of_a_model_whose_loss_is_the_loops_are_left_to_the_loop() -> None:
+    case = Case("mlp")
+    model = build(case)
+    plan = make_plan(model, {"dp": 1}, microbatches=2)
+    with pytest.warns(UserWarning, match=r"^plan\.microbatches: 2 \(gradient accumulation\) is the loop's to do "
+                                         r"for a model that is not a Hugging Face causal LM"):
+        executor.apply(plan, model)

@@ -292,51 +292,51 @@ def test_gradient_accumulation_matches_single_device(world2: dict, reference: di
 
 
 def test_accumulation_scales_only_what_each_call_computed() -> None:
-    """The arithmetic of ``loss / k`` over accumulated calls, on the runner's own methods:
-    a parameter with no gradient in a call (an expert no token reached) keeps the earlier
-    calls' gradient unscaled (it was scaled twice), and a large scale (GradScaler's 65536)
-    is exact (it cancelled: earlier x (1 - s) added to (earlier + this) x s)."""
-    from executor.pipeline import _Runner
+    """The arithmetic of ``loss / k`` over accumulated calls, on the step's gradient
+    holder (shared by pipeline steps and micro-batches without a pipeline): a parameter
+    with no gradient in a call (an expert no token reached) keeps the earlier calls'
+    gradient unscaled (it was scaled twice), and a large scale (GradScaler's 65536) is
+    exact (it cancelled: earlier x (1 - s) added to (earlier + this) x s)."""
+    from executor.accumulate import StepGradients
 
-    runner = _Runner.__new__(_Runner)  # its accumulation state only: no stages
     used, expert = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
-    runner._params, runner._steps = [used, expert], 0
+    held_grads = StepGradients([used, expert], PipelineError)
 
     def call(grads: list[torch.Tensor | None], scale: float) -> None:
-        runner._set_aside()
-        for p, g in zip(runner._params, grads, strict=True):  # what the schedule's backward leaves
+        held_grads.set_aside()
+        for p, g in zip(held_grads.params, grads, strict=True):  # what the step's backward leaves
             p.grad = g
-        runner._combine()
-        runner._steps += 1
-        runner.rescale(torch.tensor(scale), runner._steps)
+        (held_grads.combine(torch.tensor(1.0)) * scale).backward()
 
     call([torch.ones(3), torch.ones(3)], 0.5)
     call([torch.ones(3), None], 0.5)
     assert torch.equal(used.grad, torch.ones(3)) and torch.equal(expert.grad, torch.full((3,), 0.5))
-    first, second = torch.randn(1000, generator=torch.Generator().manual_seed(0)), torch.randn(1000)
-    runner._params, used.grad = [used], None
+    first, second = (torch.randn(1000, generator=torch.Generator().manual_seed(seed)) for seed in (0, 1))
+    held_grads.params, used.grad = [used], None
     used.data = torch.zeros(1000)
     call([first.clone()], 65536.0)
     call([second.clone()], 65536.0)
-    torch.testing.assert_close(used.grad, 65536.0 * first + 65536.0 * second, rtol=1e-6, atol=0)
+    # within float32 rounding of values of ~65536 (a sum that nearly cancels has no small
+    # relative error to keep); the cancellation was off by ~65536 x the earlier gradient
+    torch.testing.assert_close(used.grad, 65536.0 * first + 65536.0 * second, rtol=1e-6, atol=65536.0 * 1e-6)
     held = used.grad  # zero_grad(set_to_none=False): the same tensor through later steps
     held.zero_()
     call([first.clone()], 1.0)
     call([second.clone()], 0.5)
     assert used.grad is held
-    torch.testing.assert_close(held, first + 0.5 * second, rtol=1e-6, atol=0)
+    torch.testing.assert_close(held, first + 0.5 * second, rtol=1e-6, atol=1e-6)
     before = held.clone()
-    runner._set_aside()  # a step whose loss is not scaled yet ...
+    held_grads.set_aside()  # a step whose loss is not scaled yet ...
     used.grad = first.clone()
-    runner._combine()
-    runner._steps += 1
-    pending = (runner._earlier, runner._this)
-    runner._set_aside()  # ... then a step whose schedule fails: the gradients held before it stay
+    unscaled = held_grads.combine(torch.tensor(1.0))
+    pending = held_grads.set_aside()  # ... then a step that fails: the gradients held before it stay
     used.grad = torch.ones(1000)
-    runner._put_back(*pending)
+    held_grads.put_back(pending)
     assert used.grad is held
-    runner.rescale(torch.tensor(0.5), runner._steps)  # and the step before it still scales
-    torch.testing.assert_close(held, before + 0.5 * first, rtol=1e-6, atol=0)
+    (unscaled * 0.5).backward()  # and the step before it still scales
+    torch.testing.assert_close(held, before + 0.5 * first, rtol=1e-6, atol=1e-6)
+    with pytest.raises(PipelineError, match=r"^loss\.backward\(\): the model's forward already ran"):
+        unscaled.backward()  # once
 
 
 def test_forward_without_labels_or_in_eval_mode_says_why(world2: dict) -> None:
