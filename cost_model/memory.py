@@ -132,7 +132,8 @@ def korthikanti_activation_bytes(
     return layers * per_layer
 
 
-def fsdp_gathered_bytes(root_params: float, layer_params: float, optimizer: str, fsdp_degree: int) -> float:
+def fsdp_gathered_bytes(root_params: float, layer_params: float, optimizer: str, fsdp_degree: int,
+                        stage_layers: int = 0) -> float:
     """Bytes FSDP2 holds unsharded, on top of the shards at rest, when the backward starts.
 
     ``executor.apply`` makes one FSDP2 unit per repeated layer plus the root (embedding,
@@ -143,10 +144,18 @@ def fsdp_gathered_bytes(root_params: float, layer_params: float, optimizer: str,
     unsharded weights and gradients (the output projection's comes first) are held
     throughout; of the layers, the one computing and the one prefetched hold their
     weights, and the computing one its unsharded gradients until their reduce-scatter.
-    Without fully sharded dims (``fsdp_degree`` 1) nothing is gathered."""
+    Without fully sharded dims (``fsdp_degree`` 1) nothing is gathered.
+
+    A pipeline stage of ``stage_layers`` layers holds them all: torch's ``PipelineStage``
+    runs every micro-batch's backward but the last without resharding and without the
+    gradient sync (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync
+    (False)``), so from its first backward to the step's last each unit keeps its
+    unsharded weights and gradients."""
     if fsdp_degree <= 1:
         return 0.0
     per = state_bytes_per_param(optimizer)
+    if stage_layers:
+        return (root_params + stage_layers * layer_params) * (per.weights + per.grads)
     return root_params * (per.weights + per.grads) + layer_params * (2 * per.weights + per.grads)
 
 

@@ -12,10 +12,12 @@ Assumptions (each is what the executor's runtime does, or a stated simplificatio
   NCCL has its own engines; about 1 on an oversubscribed CPU, where gloo's copies
   and reductions need the cores the compute runs on), so exposed =
   c/L + (max(0, c - compute) + x * min(c, compute)) * (L - 1)/L.
-* Gradient reduction (reduce-scatter or all-reduce) runs once per step, during
-  the last micro-batch's backward (earlier micro-batches accumulate without
-  sync), overlapped the same way, sharing the network with the backward's
-  re-gathers.
+* Gradient reduction (reduce-scatter or all-reduce) runs in the backward,
+  overlapped the same way, sharing the network with the backward's re-gathers:
+  under a pipeline once per step, in the last micro-batch's (torch's stages skip
+  the sync before it); without one in every micro-batch's (``grad_reduce_parts``:
+  ``executor.apply`` runs the parts inside the model's call and lets FSDP2 reduce
+  each, as TorchTitan does, so that fully sharded gradients stay sharded).
 * Pipeline: step = m * t_max + bubble, bubble = (sum(t) - t_max) / v (Alpa's
   "sum of stages + (m - 1) * slowest", GPipe and 1F1B alike; interleaving with
   v virtual stages per rank divides the fill/drain by v, Narayanan et al. 2021).
@@ -48,7 +50,8 @@ class StageCost:
     gather_forward_s: float = 0.0  # FSDP parameter all-gathers in the forward
     gather_backward_s: float = 0.0  # re-gathers in the backward (reshard_after_forward)
     p2p_s: float = 0.0  # pipeline send/recv of activations and their gradients
-    grad_reduce_s: float = 0.0  # gradient reduce-scatter / all-reduce, once per step
+    grad_reduce_s: float = 0.0  # gradient reduce-scatter / all-reduce per step
+    grad_reduce_parts: int = 1  # micro-batches it runs in: 1 = the last one's backward, m = each one's
     optimizer_s: float = 0.0  # optimizer step, once per step
     layers: int = 1  # equal units that FSDP prefetch pipelines over
     overlap_exposure: float = 0.0  # Profile.overlap_exposure: cost of a collective run behind compute
@@ -59,6 +62,8 @@ class StageCost:
                 raise ValueError(f"StageCost.{name}: must be >= 0, got {value}")
         if self.layers < 1:
             raise ValueError(f"StageCost.layers: must be >= 1, got {self.layers}")
+        if self.grad_reduce_parts < 1:
+            raise ValueError(f"StageCost.grad_reduce_parts: must be >= 1, got {self.grad_reduce_parts}")
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,9 @@ def exposed(comm_s: float, compute_s: float, layers: int, overlap_exposure: floa
 def _microbatch(stage: StageCost, last: bool) -> tuple[float, float]:
     """(compute, exposed communication) of one micro-batch on ``stage``."""
     compute = stage.forward_compute_s + stage.backward_compute_s
-    backward_comm = stage.gather_backward_s + (stage.grad_reduce_s if last else 0.0)
+    spread = stage.grad_reduce_parts > 1
+    backward_comm = stage.gather_backward_s + (stage.grad_reduce_s / stage.grad_reduce_parts
+                                               if last or spread else 0.0)
     x = stage.overlap_exposure
     hidden = exposed(stage.gather_forward_s, stage.forward_compute_s, stage.layers, x) + exposed(
         backward_comm, stage.backward_compute_s, stage.layers, x
@@ -220,13 +227,15 @@ def bucket_latency(
     fsdp: bool,
     modules: int,
     microbatches: int = 1,
+    reductions: int = 1,
 ) -> tuple[float, float]:
     """(parameter-gather, gradient-reduction) latency per step of ``modules`` FSDP units.
 
     FSDP2 (which also runs replicate-mode data parallelism, as HSDP) issues one
     collective per module for all its parameters, so the fixed cost of a collective
     is paid per module, not per parameter: per micro-batch a gather in the forward
-    and a re-gather in the backward, and one reduction per step.
+    and a re-gather in the backward, and ``reductions`` reductions per step (1 under a
+    pipeline, one per micro-batch without: ``StageCost.grad_reduce_parts``).
     """
     gather = reduce = 0.0
     for dim in data_dims:
@@ -236,7 +245,7 @@ def bucket_latency(
             gather += 2 * microbatches * modules * collective_latency(
                 profile, "all_gather", mesh_shape, dim)
         kind = "reduce_scatter" if fsdp else "all_reduce"
-        reduce += modules * collective_latency(profile, kind, mesh_shape, dim)
+        reduce += reductions * modules * collective_latency(profile, kind, mesh_shape, dim)
     return gather, reduce
 
 

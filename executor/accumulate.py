@@ -9,9 +9,10 @@ without them :func:`accumulate` makes a training call with ``labels=`` run forwa
 backward of each part in turn and return the step's loss.
 
 Either way the step's backward has run when the loop's ``loss.backward()`` comes, and that
-backward only scales: :class:`StepGradients` keeps the step's gradients apart from those
-earlier calls left until then, so gradient accumulation written as on one device,
-``(loss / k).backward()`` over ``k`` calls, gives one device's gradients.
+backward only adds: :class:`StepGradients` holds the step's gradients apart from ``.grad``
+until then and adds them times the gradient the loss receives, so gradient accumulation
+written as on one device, ``(loss / k).backward()`` over ``k`` calls, gives one device's
+gradients.
 
 Each part is rows ``[i * rows, (i + 1) * rows)`` of the global batch, sliced over the
 data-parallel ranks as a whole batch is (executor.data), and draws randomness inside an
@@ -25,13 +26,13 @@ transformers accumulates inside a module's call (HF's Trainer does it in its loo
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -41,71 +42,69 @@ from executor.data import BatchError, DataParallelBatch, counted_tokens
 
 
 class StepGradients:
-    """The gradients of a step run inside the model's call, kept apart from those that
-    earlier calls left until the step's ``loss.backward()`` says by how much to scale
-    them (:class:`StepLoss`)."""
+    """The gradients of a step run inside the model's call, held apart from ``.grad``
+    until the step's ``loss.backward()`` adds them, scaled by the gradient it receives
+    (:class:`StepLoss`): as on one device, a call whose loss is never backpropagated
+    leaves no gradient, and other terms of the loop's loss (a penalty on the weights)
+    add their own gradients unscaled by the step's."""
 
     def __init__(self, params: Sequence[torch.Tensor], error: type[Exception]) -> None:
         self.params, self.error = list(params), error
-        self.earlier: list[torch.Tensor | None] = []  # held before this step
-        self.this: list[torch.Tensor | None] = []  # this step's own
+        self.earlier: list[torch.Tensor | None] = []  # .grad before the running step
+        self.this: list[torch.Tensor | None] | None = None  # the latest step's, until its backward
         self.steps = 0
 
-    def set_aside(self) -> tuple[list, list]:
-        """The gradients earlier calls left, held apart while the step computes its own;
-        returns what ``put_back`` needs if the step fails."""
-        pending = (self.earlier, self.this)  # the latest step's, until its loss's backward
+    def begin(self) -> list[torch.Tensor | None] | None:
+        """Before a step computes its gradients: ``.grad`` is set aside (put back by
+        ``end`` or ``abort``).  Returns the latest step's held gradients, for ``abort``."""
         self.earlier = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
-        return pending
+        return self.this
 
-    def put_back(self, pending: tuple[list, list]) -> None:
-        """A step that failed: the gradients held before it are held again (its own are
-        dropped), and the step before it can still be scaled by its loss's backward."""
+    def abort(self, pending: list[torch.Tensor | None] | None) -> None:
+        """A step that failed: ``.grad`` is what it was before it (its own gradients are
+        dropped), and the step before it (``pending``) can still be added by its loss."""
         for p, held in zip(self.params, self.earlier, strict=True):
             p.grad = held
-        self.earlier, self.this = pending
+        self.earlier, self.this = [], pending
 
-    def combine(self, value: torch.Tensor) -> torch.Tensor:
-        """The step is done: the held gradients become earlier + this step's (scale 1 until
-        ``rescale``), added into the earlier tensor, so a loop that zeroes gradients in
-        place (``zero_grad(set_to_none=False)``) keeps the same tensors every step.
-        Returns the step's loss for the loop (``value``, whose backward scales)."""
+    def end(self, value: torch.Tensor) -> torch.Tensor:
+        """The step's backward is done: its gradients are held, ``.grad`` is put back
+        (the same tensors: a loop that zeroes them in place keeps them), and the step's
+        loss for the loop is returned (``value``, whose backward adds them)."""
         self.this = [p.grad for p in self.params]
-        with torch.no_grad():
-            for p, earlier, this in zip(self.params, self.earlier, self.this, strict=True):
-                if earlier is not None:
-                    if this is not None:
-                        _local(earlier).add_(_local(this))
-                    p.grad = earlier
+        for p, held in zip(self.params, self.earlier, strict=True):
+            p.grad = held
+        self.earlier = []
         self.steps += 1
         return StepLoss.apply(value.detach().requires_grad_(), self, self.steps)
 
-    def rescale(self, scale: torch.Tensor, step: int) -> None:
-        """Step ``step``'s loss.backward() with gradient ``scale`` (``(loss / k).backward()``
-        in a gradient-accumulation loop): its gradients, computed for scale 1, scaled so
-        that the held ones are earlier + scale * this step's, as on one device."""
-        if step != self.steps or not self.this:
+    def add(self, scale: torch.Tensor, step: int) -> None:
+        """Step ``step``'s loss.backward() with gradient ``scale`` (1 for ``loss.backward()``,
+        1/k for ``(loss / k).backward()``): ``.grad`` += scale x the step's gradients."""
+        if step != self.steps or self.this is None:
             raise self.error("loss.backward(): the model's forward already ran this step's backward (a pipeline "
-                             "plan, or the plan's micro-batches); only the latest step's loss can scale its "
+                             "plan, or the plan's micro-batches); only the latest step's loss can add its "
                              "gradients, once")
-        unscaled = bool(scale == 1)  # loss.backward(): the held gradients are already right
+        unscaled = bool(scale == 1)
         with torch.no_grad():
-            for p, earlier, this in zip(self.params, self.earlier, self.this, strict=True):
-                if this is None:  # no gradient this step: the held one is the earlier calls'
+            for p, this in zip(self.params, self.this, strict=True):
+                if this is None:  # no gradient this step
                     continue
-                if earlier is None:  # the held gradient is this step's own
+                if not unscaled:
                     _local(this).mul_(scale)
-                elif not unscaled:  # held = earlier + this, made earlier + scale * this
-                    _local(p.grad).add_(_local(this) * (scale - 1))
-        self.earlier, self.this = [], []
+                if p.grad is None:
+                    p.grad = this
+                else:
+                    _local(p.grad).add_(_local(this))
+        self.this = None
 
 
 class StepLoss(torch.autograd.Function):
     """The step's loss as the loop sees it: its backward differentiates nothing (the step's
-    backward has run) but scales the step's gradients by the gradient it receives, 1 for
-    ``loss.backward()``, 1/k for ``(loss / k).backward()``."""
+    backward has run) but adds the step's gradients scaled by the gradient it receives, 1
+    for ``loss.backward()``, 1/k for ``(loss / k).backward()``."""
 
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor, grads: StepGradients, step: int) -> torch.Tensor:
@@ -114,7 +113,7 @@ class StepLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
-        ctx.grads.rescale(grad, ctx.step)
+        ctx.grads.add(grad, ctx.step)
         return None, None, None
 
 
@@ -132,39 +131,49 @@ def accumulate(model: nn.Module, microbatches: int, batch: DataParallelBatch | N
     Its class becomes a subclass whose ``__call__`` does so around the unchanged call, so
     every part runs through the model's hooks (the data-parallel slice, FSDP2's gathers)
     as a whole call does.  Other calls (evaluation, ``torch.no_grad``, no labels) run the
-    batch whole."""
-    parts = _Parts(model, microbatches, batch)
-    base = type(model)
+    batch whole.  The subclass is one per model class and the state lives on the model
+    (its parameters, not the model: no reference cycle), so a deep copy has its own."""
+    model.__dict__[_PARTS] = _Parts(list(model.parameters()), microbatches, batch)
+    model.__class__ = _accumulating(type(model))
 
+
+_PARTS = "_executor_parts"
+
+
+@functools.cache
+def _accumulating(base: type[nn.Module]) -> type[nn.Module]:
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return parts(lambda *a, **k: base.__call__(self, *a, **k), args, kwargs)
+        return self.__dict__[_PARTS](self, lambda *a, **k: base.__call__(self, *a, **k), args, kwargs)
 
-    model.__class__ = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
+    return type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
+                                         "__qualname__": base.__qualname__})
 
 
 class _Parts:
-    def __init__(self, model: nn.Module, microbatches: int, batch: DataParallelBatch | None) -> None:
-        self.model, self.microbatches, self.batch = model, microbatches, batch
-        self.grads = StepGradients(list(model.parameters()), RuntimeError)
-        self.warned = False
+    def __init__(self, params: list[torch.Tensor], microbatches: int, batch: DataParallelBatch | None) -> None:
+        self.microbatches, self.batch = microbatches, batch
+        self.grads = StepGradients(params, RuntimeError)
+        self.warned: set[str] = set()  # the reasons warned about, once each
 
-    def __call__(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        model = self.model
-        training = model.training and torch.is_grad_enabled()
-        if not (training and isinstance(kwargs.get("labels"), torch.Tensor)):
-            if training and not self.warned:
-                self.warned = True
+    def __call__(self, model: nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        why = self._whole(model, args, kwargs)
+        if why is not None:
+            if why and why not in self.warned:
+                self.warned.add(why)
                 warnings.warn(f"plan.microbatches: {self.microbatches} parts run inside the model's call only "
-                              "when it trains from labels=; this call (no labels=) runs its whole batch at "
-                              "once, needing the activation memory of all parts (docs/executor.md)", stacklevel=3)
+                              f"when it trains from labels= on inputs without autograd history; this call "
+                              f"({why}) runs its whole batch at once, needing the activation memory of all "
+                              "parts (docs/executor.md)", stacklevel=3)
             return call(*args, **kwargs)
         rows, total = self._rows(args, kwargs)
         items = kwargs.get("num_items_in_batch")
         items = counted_tokens(kwargs) if items is None else items
         state = rng.get_state() if rng.is_active() else None
-        pending = self.grads.set_aside()
+        pending = self.grads.begin()
         losses = []
         try:
+            # FSDP2 reduces each part's gradients in its backward (TorchTitan's choice):
+            # skipping the sync would hold every unsharded gradient until the last part
             for i in range(self.microbatches):
                 if state is not None:  # every part draws from the counter the step started at
                     rng.set_state(state)
@@ -173,21 +182,29 @@ class _Parts:
                     (args, kwargs))
                 if items is not None:
                     part_kwargs["num_items_in_batch"] = items
-                if isinstance(model, FSDPModule):  # reduce the gradients once, after the last part
-                    model.set_requires_gradient_sync(i == self.microbatches - 1)
                 with rng.batch_rows(i * rows, rows, total):
                     value = _loss(call(*part_args, **part_kwargs))  # the part's logits are let go
                 value.backward()
                 losses.append(value.detach())
         except BaseException:
-            self.grads.put_back(pending)
+            self.grads.abort(pending)
             if state is not None:
                 rng.set_state(state)
             raise
-        finally:
-            if isinstance(model, FSDPModule):
-                model.set_requires_gradient_sync(True)
-        return CausalLMOutputWithPast(loss=self.grads.combine(torch.stack(losses).sum()))
+        loss = self.grads.end(torch.stack(losses).sum())
+        return (loss,) if kwargs.get("return_dict") is False else CausalLMOutputWithPast(loss=loss)
+
+    @staticmethod
+    def _whole(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
+        """Why this call runs its batch whole ("" where that needs no warning), or None."""
+        if not (model.training and torch.is_grad_enabled()):
+            return ""
+        if not isinstance(kwargs.get("labels"), torch.Tensor):
+            return "no labels="
+        grads = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if grads:  # each part's backward would run through the loop's graph, unscaled
+            return "an input that requires grad"
+        return None
 
     def _rows(self, args: tuple, kwargs: dict) -> tuple[int, int]:
         """(rows per part, rows of the global batch)."""

@@ -128,7 +128,8 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     if plan.devices == 1:
         model = deferred_init.materialize(model) if on_meta else model
-        if parts > 1:
+        if parts > 1:  # the model's call changes: a second apply would nest the parts
+            setattr(model, _APPLIED, True)
             accumulate(model, parts, None)
         return model
     if not rng.is_active() and _draws_dropout(model):
@@ -692,6 +693,11 @@ def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tens
                 "recomputed layer would append to the cache again)" if checkpointing != "none" else None)
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        # autocast keeps its low-precision copy of a weight for the whole autocast block,
+        # keyed by the weight tensor; FSDP2 refills the same unsharded tensors each call,
+        # so a second call in one block (a micro-batch, or the loop's own accumulation)
+        # would backpropagate through the first call's copy and its gradient be lost
+        torch.clear_autocast_cache()
         if cache_at is not None and len(args) <= cache_at:
             if kwargs.get("use_cache") is None:
                 kwargs = {**kwargs, "use_cache": False}

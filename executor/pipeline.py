@@ -495,17 +495,17 @@ class _Runner:
         self._base = state["counter"] if state is not None else 0
         losses: list[torch.Tensor] = []
         first, last = 0 in self.replicas, len(self.cuts.stages) - 1 in self.replicas
-        pending = self.grads.set_aside()
+        pending = self.grads.begin()
         try:
             schedule.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}))
         except BaseException:
-            self.grads.put_back(pending)
+            self.grads.abort(pending)
             if state is not None:
                 rng.set_state(state)
             raise
         if state is not None:  # every rank ends where one device's step ends
             rng.set_state({"seed": state["seed"], "counter": self._base + self.cuts.draws})
-        return CausalLMOutputWithPast(loss=self.grads.combine(self._step_loss(losses, size)))
+        return CausalLMOutputWithPast(loss=self.grads.end(self._step_loss(losses, size)))
 
     def _refuse(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None, kwargs: dict) -> None:
         if input_ids is None or labels is None:
@@ -557,6 +557,7 @@ class _Runner:
             seed = rng.get_state()["seed"]
             rng.set_state({"seed": seed, "counter": self._base + self.cuts.draws_before[stage]})
         start, mb, total = self._rows
+        torch.clear_autocast_cache()  # FSDP2 refills its weights per micro-batch (apply's root hook says why)
         with rng.batch_rows(start + microbatch * mb, mb, total):
             yield
 

@@ -175,7 +175,7 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
     degree = fsdp_degree(ctx)
     root = (first.state_bytes if index == 0 else 0.0) + (last.state_bytes if index == pp - 1 else 0.0)
     gathered = fsdp_gathered_bytes(root * degree / per.total, layer.state_bytes * degree / per.total,
-                                   ctx.optimizer, degree)
+                                   ctx.optimizer, degree, stage_layers=n)
     return cost, part.state_bytes + part.act_bytes * inflight + gathered, part.state_bytes, gathered
 
 

@@ -141,14 +141,14 @@ def _training_dtype(profile: Profile) -> torch.dtype:
 
 def _context(profile: Profile, names: Sequence[str], shape: Sequence[int], batch: int, seq: int,
              microbatches: int, fsdp: bool, checkpointing: str, divisor: int,
-             trace_itemsize: int = 4) -> Context:
+             trace_itemsize: int = 4, pp: int = 1) -> Context:
     cpu = _training_dtype(profile) == torch.float32
     return Context(
         mesh_names=tuple(names), mesh_shape=tuple(shape), profile=profile, batch_size=batch,
         seq_len=seq, microbatches=microbatches, dtype="fp32" if cpu else "bf16",
         act_itemsize=_training_dtype(profile).itemsize, optimizer="adam-fp32" if cpu else "adam-mixed",
         fsdp=frozenset({"dp"}) if fsdp else frozenset(), checkpointing=checkpointing,
-        feature_divisor=divisor, trace_itemsize=trace_itemsize,
+        feature_divisor=divisor, trace_itemsize=trace_itemsize, grad_reductions=microbatches if pp == 1 else 1,
     )
 
 
@@ -222,7 +222,7 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     data_dims = [i for i, n in enumerate(ctx.mesh_names) if n == "dp"]
     # executor.apply: one FSDP2 unit per layer plus the root, each moving its parameters in one collective
     gather_lat, reduce_lat = bucket_latency(ctx.profile, ctx.mesh_shape, data_dims, "dp" in ctx.fsdp,
-                                            graph.graph["layers"] + 1, m)
+                                            graph.graph["layers"] + 1, m, ctx.grad_reductions)
     gather = sum(c.gather_s for c in chosen) + gather_lat
     state = [sum(c.state[i] for c in chosen) for i in range(3)]
     compute += fsdp_host_s(ctx, graph.graph["layers"] + 1, state[0])
@@ -236,6 +236,7 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
                             bucketed=math.prod(ctx.mesh_shape[i] for i in data_dims) == 1),
         gather_forward_s=gather / (2 * m),
         gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen) + reduce_lat,
+        grad_reduce_parts=ctx.grad_reductions,
         optimizer_s=optimizer_time(ctx.profile, sum(state) / state_bytes_per_param(ctx.optimizer).total,
                                    ctx.optimizer, tensors=max(len(graph.graph["param_shapes"]), 1),
                                    dtensor=math.prod(ctx.mesh_shape) > 1),  # executor.apply: DTensor params
@@ -252,9 +253,10 @@ def _gathered_estimate(ctx: Context, graph: nx.DiGraph, pp: int) -> float:
     """FSDP2's gathered units before the ILP has placed anything, as a tensor-parallel
     layout shards them (the ILP's memory is a sum over units, this a maximum over them,
     so it is held back from the ILP's budget); under pp the root's embedding and head are
-    on different stages."""
+    on different stages, and each holds all its layers (``fsdp_gathered_bytes``)."""
     root, layer = unit_params(ctx, graph.graph["param_shapes"])
-    return fsdp_gathered_bytes(root / pp, layer, ctx.optimizer, fsdp_degree(ctx))
+    return fsdp_gathered_bytes(root / pp, layer, ctx.optimizer, fsdp_degree(ctx),
+                               stage_layers=math.ceil(graph.graph["layers"] / pp) if pp > 1 else 0)
 
 
 def _units(ctx: Context, graph: nx.DiGraph, pins: Callable[[Unit], None] | None
@@ -402,7 +404,7 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                 solved = 0
                 for m in micro:
                     ctx = _context(profile, sub_names, sub_shape, batch, seq, m, fsdp, ckpt, divisor,
-                                   graph.graph.get("itemsize", 4))
+                                   graph.graph.get("itemsize", 4), pp)
                     left = deadline - time.perf_counter() if deadline else None
                     if left is not None and left <= 0 and best is not None:
                         late = True

@@ -85,6 +85,9 @@ class Context:
     checkpointing: str
     feature_divisor: int  # every feature sharding must divide this (heads, kv heads, ...)
     trace_itemsize: int = 4  # bytes per parameter element of the traced graph
+    # data-parallel gradient reductions per step: one per micro-batch without a pipeline
+    # (executor.accumulate lets FSDP2 reduce each part's), one under a pipeline schedule
+    grad_reductions: int = 1
 
     @property
     def bytes_scale(self) -> float:
@@ -332,14 +335,14 @@ def _param_state(ctx: Context, shape: Sequence[int], placements: Sequence[str]
         # FSDP2 moves a module's parameters in one collective: the latency is charged
         # per module (cost_model.step.bucket_latency), only the bytes per parameter
         if i in fsdp:
-            sync += collective_time(ctx.profile, "reduce_scatter", grad_bytes, ctx.mesh_shape, i,
-                                    latency=False)
+            sync += ctx.grad_reductions * collective_time(ctx.profile, "reduce_scatter", grad_bytes,
+                                                          ctx.mesh_shape, i, latency=False)
             # forward gather + backward re-gather (reshard_after_forward), every micro-batch
             gather += 2 * ctx.microbatches * collective_time(
                 ctx.profile, "all_gather", local * per.weights, ctx.mesh_shape, i, latency=False)
         elif name == "dp":
-            sync += collective_time(ctx.profile, "all_reduce", grad_bytes, ctx.mesh_shape, i,
-                                    latency=False)
+            sync += ctx.grad_reductions * collective_time(ctx.profile, "all_reduce", grad_bytes,
+                                                          ctx.mesh_shape, i, latency=False)
     return state, sync, gather
 
 

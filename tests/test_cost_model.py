@@ -591,6 +591,9 @@ def test_fsdp_gathered_units_on_top_of_the_shards():
     assert fsdp_gathered_bytes(root, layer, "adam-mixed", 8) == root * (2 + 2) + layer * (2 * 2 + 2)
     assert fsdp_gathered_bytes(root, layer, "adam-fp32", 8) == root * (4 + 4) + layer * (2 * 4 + 4)
     assert fsdp_gathered_bytes(root, layer, "adam-mixed", 1) == 0  # nothing fully sharded
+    # a pipeline stage of 6 layers keeps them all unsharded from its first backward to the
+    # step's last (torch's PipelineStage skips the reshard and the sync before it)
+    assert fsdp_gathered_bytes(root, layer, "adam-mixed", 8, stage_layers=6) == (root + 6 * layer) * (2 + 2)
     import planner
 
     kw = dict(batch_size=16, seq_len=4096, microbatches=2)
@@ -818,6 +821,22 @@ def test_fsdp_latency_is_charged_per_unit_not_per_parameter(toy):
     # replicate-mode DP (HSDP): no gathers, one all-reduce per unit
     assert bucket_latency(toy, [4], [0], fsdp=False, modules=5) == (0.0, pytest.approx(5e-5))
     assert bucket_latency(toy, [1, 4], [0], fsdp=True, modules=5) == (0.0, 0.0)
+    # without a pipeline each micro-batch's backward reduces (executor.accumulate)
+    assert bucket_latency(toy, [4], [0], fsdp=True, modules=5, microbatches=2, reductions=2)[1] == \
+        pytest.approx(2 * 5 * 1e-5)
+
+
+def test_gradient_reduction_in_every_micro_batch_hides_behind_each_backward():
+    """Without a pipeline the data-parallel reduction runs in every micro-batch's backward,
+    a share behind each; under one only in the last's, where it outlasts the compute."""
+    once = StageCost(1.0, 2.0, grad_reduce_s=8.0, layers=4)
+    each = StageCost(1.0, 2.0, grad_reduce_s=8.0, layers=4, grad_reduce_parts=4)
+    # last backward: 8 s over 4 units behind 0.5 s each; in each of 4: 2 s behind 0.5 s each
+    assert compose_step([once], microbatches=4).exposed_communication_s == pytest.approx(2 + 1.5 * 3)
+    assert compose_step([each], microbatches=4).exposed_communication_s == pytest.approx(4 * 0.5)
+    assert compose_step([each], microbatches=4).communication_s == pytest.approx(8.0)  # the step's total
+    with pytest.raises(ValueError, match="grad_reduce_parts"):
+        StageCost(1.0, 2.0, grad_reduce_parts=0)
 
 
 def test_loss_mean_and_partial_gradients(toy):

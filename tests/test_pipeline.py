@@ -295,22 +295,33 @@ def test_accumulation_scales_only_what_each_call_computed() -> None:
     """The arithmetic of ``loss / k`` over accumulated calls, on the step's gradient
     holder (shared by pipeline steps and micro-batches without a pipeline): a parameter
     with no gradient in a call (an expert no token reached) keeps the earlier calls'
-    gradient unscaled (it was scaled twice), and a large scale (GradScaler's 65536) is
-    exact (it cancelled: earlier x (1 - s) added to (earlier + this) x s)."""
+    gradient unscaled (it was scaled twice), a large scale (GradScaler's 65536) is exact
+    (it cancelled: earlier x (1 - s) added to (earlier + this) x s), and another term of
+    the loss (a penalty on the weights) adds its gradient unscaled by the step's (it was
+    scaled with them), as does a call whose loss is never backpropagated: none."""
     from executor.accumulate import StepGradients
 
     used, expert = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
     held_grads = StepGradients([used, expert], PipelineError)
 
-    def call(grads: list[torch.Tensor | None], scale: float) -> None:
-        held_grads.set_aside()
+    def step(grads: list[torch.Tensor | None]) -> torch.Tensor:
+        held_grads.begin()
         for p, g in zip(held_grads.params, grads, strict=True):  # what the step's backward leaves
             p.grad = g
-        (held_grads.combine(torch.tensor(1.0)) * scale).backward()
+        return held_grads.end(torch.tensor(1.0))
+
+    def call(grads: list[torch.Tensor | None], scale: float) -> None:
+        (step(grads) * scale).backward()
 
     call([torch.ones(3), torch.ones(3)], 0.5)
     call([torch.ones(3), None], 0.5)
     assert torch.equal(used.grad, torch.ones(3)) and torch.equal(expert.grad, torch.full((3,), 0.5))
+    penalty = (step([torch.ones(3), torch.ones(3)]) + (used ** 2).sum() / 2) * 0.5  # + 0.5 x used
+    used.data = torch.full((3,), 4.0)
+    penalty.backward()
+    assert torch.equal(used.grad, torch.full((3,), 3.5)) and torch.equal(expert.grad, torch.ones(3))
+    step([torch.ones(3), torch.ones(3)])  # a forward without backward adds nothing
+    assert torch.equal(used.grad, torch.full((3,), 3.5)) and torch.equal(expert.grad, torch.ones(3))
     first, second = (torch.randn(1000, generator=torch.Generator().manual_seed(seed)) for seed in (0, 1))
     held_grads.params, used.grad = [used], None
     used.data = torch.zeros(1000)
@@ -326,14 +337,12 @@ def test_accumulation_scales_only_what_each_call_computed() -> None:
     assert used.grad is held
     torch.testing.assert_close(held, first + 0.5 * second, rtol=1e-6, atol=1e-6)
     before = held.clone()
-    held_grads.set_aside()  # a step whose loss is not scaled yet ...
-    used.grad = first.clone()
-    unscaled = held_grads.combine(torch.tensor(1.0))
-    pending = held_grads.set_aside()  # ... then a step that fails: the gradients held before it stay
+    unscaled = step([first.clone()])  # a step whose loss is not backpropagated yet ...
+    pending = held_grads.begin()  # ... then a step that fails: the gradients held before it stay
     used.grad = torch.ones(1000)
-    held_grads.put_back(pending)
+    held_grads.abort(pending)
     assert used.grad is held
-    (unscaled * 0.5).backward()  # and the step before it still scales
+    (unscaled * 0.5).backward()  # and the step before it still adds its gradients
     torch.testing.assert_close(held, before + 0.5 * first, rtol=1e-6, atol=1e-6)
     with pytest.raises(PipelineError, match=r"^loss\.backward\(\): the model's forward already ran"):
         unscaled.backward()  # once

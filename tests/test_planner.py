@@ -731,3 +731,19 @@ def test_sequence_parallelism_is_refused_where_the_stream_cannot_be_cut_by_seque
     plan = planner.hand_plan("llama-tiny", 2, "cpu-gloo-local", tp=2, sp=True, batch_size=8, seq_len=64)
     norm = {m.module: m for m in plan.modules}["model.layers.*.input_layernorm"]
     assert norm.input[-1] == norm.output[-1] == "S(1)"
+
+
+def test_data_parallel_gradients_are_reduced_in_every_micro_batch_without_a_pipeline() -> None:
+    """executor.apply runs a plan's micro-batches inside the model's call and FSDP2 reduces
+    each part's gradients (so fully sharded ones stay sharded); torch's pipeline stages
+    reduce once, at the last micro-batch.  The plan prices what runs."""
+    from cost_model.profile import load_profile
+    from planner.search import _context
+
+    profile = load_profile("cpu-gloo-local")
+    assert _context(profile, ("dp",), (2,), 8, 16, 4, True, "none", 1).grad_reductions == 4
+    assert _context(profile, ("dp",), (2,), 8, 16, 4, True, "none", 1, pp=2).grad_reductions == 1
+    one, four = (planner.hand_plan("llama-tiny", devices=2, profile=profile, dp=2, fsdp=True, microbatches=m,
+                                   batch_size=8, seq_len=16).prediction.time for m in (1, 4))
+    # 4 forward gathers, 4 backward re-gathers and 4 reductions where there was 1 of each
+    assert four.communication_s == pytest.approx(4 * one.communication_s, rel=0.05)
