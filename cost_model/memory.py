@@ -146,11 +146,12 @@ def fsdp_gathered_bytes(root_params: float, layer_params: float, optimizer: str,
     weights, and the computing one its unsharded gradients until their reduce-scatter.
     Without fully sharded dims (``fsdp_degree`` 1) nothing is gathered.
 
-    A pipeline stage of ``stage_layers`` layers holds them all: torch's ``PipelineStage``
-    runs every micro-batch's backward but the last without resharding and without the
-    gradient sync (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync
-    (False)``), so from its first backward to the step's last each unit keeps its
-    unsharded weights and gradients."""
+    A pipeline stage of ``stage_layers`` layers holds them all at the end of its last
+    backward: torch's ``PipelineStage`` runs every micro-batch's backward without
+    resharding and without the gradient sync (``set_reshard_after_backward(False)``,
+    ``set_requires_gradient_sync(False)``) and reduces after the last
+    (``perform_reduce_grad``), so each unit's unsharded gradients, and the weights a
+    backward left gathered, stay until then."""
     if fsdp_degree <= 1:
         return 0.0
     per = state_bytes_per_param(optimizer)

@@ -12,12 +12,15 @@ Assumptions (each is what the executor's runtime does, or a stated simplificatio
   NCCL has its own engines; about 1 on an oversubscribed CPU, where gloo's copies
   and reductions need the cores the compute runs on), so exposed =
   c/L + (max(0, c - compute) + x * min(c, compute)) * (L - 1)/L.
-* Gradient reduction (reduce-scatter or all-reduce) runs in the backward,
-  overlapped the same way, sharing the network with the backward's re-gathers:
-  under a pipeline once per step, in the last micro-batch's (torch's stages skip
-  the sync before it); without one in every micro-batch's (``grad_reduce_parts``:
-  ``executor.apply`` runs the parts inside the model's call and lets FSDP2 reduce
-  each, as TorchTitan does, so that fully sharded gradients stay sharded).
+* Gradient reduction (reduce-scatter or all-reduce): without a pipeline in every
+  micro-batch's backward (``grad_reduce_parts``: ``executor.apply`` runs the parts
+  inside the model's call and lets FSDP2 reduce each, as TorchTitan does, so that
+  fully sharded gradients stay sharded), overlapped the same way and sharing the
+  network with the backward's re-gathers.  Under a pipeline once per step, after the
+  stage's last backward (``grad_reduce_overlapped=False``: torch's schedules run every
+  backward without the sync and then ``perform_reduce_grad``), exposed in full;
+  interleaved 1F1B reduces each virtual stage after its last backward, which may hide
+  part of it behind the other's: not modelled.
 * Pipeline: step = m * t_max + bubble, bubble = (sum(t) - t_max) / v (Alpa's
   "sum of stages + (m - 1) * slowest", GPipe and 1F1B alike; interleaving with
   v virtual stages per rank divides the fill/drain by v, Narayanan et al. 2021).
@@ -51,7 +54,8 @@ class StageCost:
     gather_backward_s: float = 0.0  # re-gathers in the backward (reshard_after_forward)
     p2p_s: float = 0.0  # pipeline send/recv of activations and their gradients
     grad_reduce_s: float = 0.0  # gradient reduce-scatter / all-reduce per step
-    grad_reduce_parts: int = 1  # micro-batches it runs in: 1 = the last one's backward, m = each one's
+    grad_reduce_parts: int = 1  # micro-batches it runs in: 1 = the last one's, m = each one's
+    grad_reduce_overlapped: bool = True  # behind the backward (False: after it, a pipeline's)
     optimizer_s: float = 0.0  # optimizer step, once per step
     layers: int = 1  # equal units that FSDP prefetch pipelines over
     overlap_exposure: float = 0.0  # Profile.overlap_exposure: cost of a collective run behind compute
@@ -101,14 +105,13 @@ def exposed(comm_s: float, compute_s: float, layers: int, overlap_exposure: floa
 def _microbatch(stage: StageCost, last: bool) -> tuple[float, float]:
     """(compute, exposed communication) of one micro-batch on ``stage``."""
     compute = stage.forward_compute_s + stage.backward_compute_s
-    spread = stage.grad_reduce_parts > 1
-    backward_comm = stage.gather_backward_s + (stage.grad_reduce_s / stage.grad_reduce_parts
-                                               if last or spread else 0.0)
+    reduce = stage.grad_reduce_s / stage.grad_reduce_parts if last or stage.grad_reduce_parts > 1 else 0.0
+    behind = reduce if stage.grad_reduce_overlapped else 0.0
     x = stage.overlap_exposure
     hidden = exposed(stage.gather_forward_s, stage.forward_compute_s, stage.layers, x) + exposed(
-        backward_comm, stage.backward_compute_s, stage.layers, x
+        stage.gather_backward_s + behind, stage.backward_compute_s, stage.layers, x
     )
-    return compute, stage.blocking_comm_s + stage.p2p_s + hidden
+    return compute, stage.blocking_comm_s + stage.p2p_s + hidden + reduce - behind
 
 
 def compose_step(
@@ -128,6 +131,9 @@ def compose_step(
         raise ValueError(
             f"virtual_stages: {virtual_stages} needs schedule interleaved-1f1b and >= 1"
         )
+    bad = [s.grad_reduce_parts for s in stages if s.grad_reduce_parts not in (1, microbatches)]
+    if bad:
+        raise ValueError(f"StageCost.grad_reduce_parts: {bad[0]} is neither 1 nor microbatches={microbatches}")
     m = microbatches
     # per stage: (compute, exposed comm) of an ordinary and of the last micro-batch
     per_stage = [(*_microbatch(s, last=False), _microbatch(s, last=True)[1]) for s in stages]

@@ -194,11 +194,11 @@ class _Parts:
         loss = self.grads.end(torch.stack(losses).sum())
         return (loss,) if kwargs.get("return_dict") is False else CausalLMOutputWithPast(loss=loss)
 
-    @staticmethod
-    def _whole(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
+    def _whole(self, model: nn.Module, args: tuple, kwargs: dict) -> str | None:
         """Why this call runs its batch whole ("" where that needs no warning), or None."""
-        if not (model.training and torch.is_grad_enabled()):
-            return ""
+        params = self.grads.params
+        if not (model.training and torch.is_grad_enabled()) or not any(p.requires_grad for p in params):
+            return ""  # nothing to backpropagate: one forward, as one device's
         if not isinstance(kwargs.get("labels"), torch.Tensor):
             return "no labels="
         grads = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]

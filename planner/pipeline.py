@@ -157,6 +157,9 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
     per = state_bytes_per_param(ctx.optimizer)
     compute = part.compute_s + fsdp_host_s(ctx, n + 1, part.state_bytes * per.weights / per.total) / ctx.microbatches
     fwd = (compute - part.recompute_s) / 3  # backward = 2x forward, plus the recompute
+    # torch's schedules reduce a stage's gradients once, after its last backward (unlike
+    # the micro-batches of executor.accumulate, each reduced: Context.grad_reductions)
+    assert ctx.grad_reductions == 1  # noqa: S101
     # per micro-batch, one FSDP2 unit per layer plus the stage's root (cost_model.step.bucket_latency)
     gather_lat, reduce_lat = bucket_latency(
         ctx.profile, ctx.mesh_shape, [i for i, d in enumerate(ctx.mesh_names) if d == "dp"],
@@ -165,7 +168,7 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
         forward_compute_s=fwd, backward_compute_s=compute - fwd, recompute_s=part.recompute_s,
         blocking_comm_s=part.blocking_s, gather_forward_s=(part.gather_s + gather_lat) / 2,
         gather_backward_s=(part.gather_s + gather_lat) / 2, p2p_s=p2p_s * virtual,
-        grad_reduce_s=part.grad_sync_s + reduce_lat, layers=max(n, 1),
+        grad_reduce_s=part.grad_sync_s + reduce_lat, grad_reduce_overlapped=False, layers=max(n, 1),
         overlap_exposure=ctx.profile.overlap_exposure,
         optimizer_s=optimizer_time(ctx.profile, part.state_bytes / state_bytes_per_param(ctx.optimizer).total,
                                    ctx.optimizer),

@@ -837,6 +837,11 @@ def test_gradient_reduction_in_every_micro_batch_hides_behind_each_backward():
     assert compose_step([each], microbatches=4).communication_s == pytest.approx(8.0)  # the step's total
     with pytest.raises(ValueError, match="grad_reduce_parts"):
         StageCost(1.0, 2.0, grad_reduce_parts=0)
+    with pytest.raises(ValueError, match="grad_reduce_parts: 4 is neither 1 nor microbatches=2"):
+        compose_step([each], microbatches=2)
+    # a pipeline stage reduces after its last backward (torch's perform_reduce_grad): all exposed
+    after = StageCost(1.0, 2.0, grad_reduce_s=8.0, layers=4, grad_reduce_overlapped=False)
+    assert compose_step([after, after], microbatches=4).exposed_communication_s == pytest.approx(8.0)
 
 
 def test_loss_mean_and_partial_gradients(toy):

@@ -230,7 +230,7 @@ CASES_4 = [
     # loss that is exact although the slices count different numbers of tokens
     Case("llama", {"dp": 4}, dropout=0.1, padded=True),
     Case("llama", {"dp": 2, "tp": 2}, fsdp=True, sp=True, dropout=0.1, padded=True),
-    # the plan's micro-batches, run inside the model's call: FSDP2 reduces after the last
+    # the plan's micro-batches, run inside the model's call: FSDP2 reduces every part's gradients
     Case("llama", {"dp": 2, "tp": 2}, fsdp=True, sp=True, dropout=0.1, padded=True, microbatches=2),
 ]
 CASES_2 = [
@@ -1162,6 +1162,8 @@ def test_micro_batches_run_inside_the_models_call() -> None:
     with pytest.raises(executor.BatchError, match=r"^batch: the global batch 7 does not split into microbatches=2 "
                                                   r"\(the plan's micro-batch count\) x 1 data-parallel ranks$"):
         model(input_ids=ids[:7], labels=ids[:7])
+    model.requires_grad_(False)  # nothing to backpropagate (a frozen phase): one forward, the loss
+    assert model(input_ids=ids, labels=ids).loss.item() == pytest.approx(loss.item(), rel=1e-6)
 
 
 def test_micro_batches_of_a_model_whose_loss_is_the_loops_are_left_to_the_loop() -> None:

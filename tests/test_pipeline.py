@@ -295,10 +295,10 @@ def test_accumulation_scales_only_what_each_call_computed() -> None:
     """The arithmetic of ``loss / k`` over accumulated calls, on the step's gradient
     holder (shared by pipeline steps and micro-batches without a pipeline): a parameter
     with no gradient in a call (an expert no token reached) keeps the earlier calls'
-    gradient unscaled (it was scaled twice), a large scale (GradScaler's 65536) is exact
-    (it cancelled: earlier x (1 - s) added to (earlier + this) x s), and another term of
-    the loss (a penalty on the weights) adds its gradient unscaled by the step's (it was
-    scaled with them), as does a call whose loss is never backpropagated: none."""
+    gradient unscaled, a large scale (GradScaler's 65536) is exact, another term of the
+    loss (a penalty on the weights) adds its gradient unscaled by the step's (it was
+    scaled with them when the step's gradients were added at the forward), and a call
+    whose loss is never backpropagated adds nothing."""
     from executor.accumulate import StepGradients
 
     used, expert = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
