@@ -201,9 +201,8 @@ class _Parts:
             return ""  # nothing to backpropagate: one forward, as one device's
         if not isinstance(kwargs.get("labels"), torch.Tensor):
             return "no labels="
-        grads = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if grads:  # each part's backward would run through the loop's graph, unscaled
-            return "an input that requires grad"
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values())):
+            return "an input that requires grad"  # each part's backward would run through the loop's graph
         return None
 
     def _rows(self, args: tuple, kwargs: dict) -> tuple[int, int]:
