@@ -34,11 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map_only
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from executor import rng
-from executor.data import BatchError, DataParallelBatch, counted_tokens
+from executor.data import BatchError, DataParallelBatch, batch_rows_of, counted_tokens, narrow_rows
 
 
 class StepGradients:
@@ -177,9 +176,7 @@ class _Parts:
             for i in range(self.microbatches):
                 if state is not None:  # every part draws from the counter the step started at
                     rng.set_state(state)
-                part_args, part_kwargs = tree_map_only(
-                    torch.Tensor, lambda t, i=i: t.narrow(0, i * rows, rows) if t.dim() and t.shape[0] == total else t,
-                    (args, kwargs))
+                part_args, part_kwargs = narrow_rows((args, kwargs), total, i * rows, rows)
                 if items is not None:
                     part_kwargs["num_items_in_batch"] = items
                 with rng.batch_rows(i * rows, rows, total):
@@ -207,10 +204,7 @@ class _Parts:
 
     def _rows(self, args: tuple, kwargs: dict) -> tuple[int, int]:
         """(rows per part, rows of the global batch)."""
-        first = next(iter(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim()), None)
-        if first is None:
-            raise BatchError("batch: the model's first tensor input must have a batch dim 0")
-        total = first.shape[0]
+        total = batch_rows_of(args, kwargs)
         ranks = self.batch.size if self.batch is not None else 1
         if total % (self.microbatches * ranks):
             raise BatchError(f"batch: the global batch {total} does not split into microbatches="

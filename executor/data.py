@@ -68,10 +68,7 @@ class DataParallelBatch:
 
     def slice(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Every tensor whose dim 0 equals the first tensor input's dim 0 is sliced."""
-        first = next((t for t in _tensors((args, kwargs))), None)
-        if first is None or first.dim() == 0:
-            raise BatchError("batch: the model's first tensor input must have a batch dim 0")
-        batch = first.shape[0]
+        batch = batch_rows_of(args, kwargs)
         if batch % self.size:
             raise BatchError(
                 f"batch: the global batch {batch} is not divisible by the data-parallel size {self.size}"
@@ -80,11 +77,7 @@ class DataParallelBatch:
         self._local_batch = n
         if self.counts_tokens:
             kwargs = self._items_per_rank(kwargs)
-
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return t.narrow(0, self.index * n, n) if t.dim() > 0 and t.shape[0] == batch else t
-
-        return tree_map_only(torch.Tensor, take, (args, kwargs))
+        return narrow_rows((args, kwargs), batch, self.index * n, n)
 
     def _items_per_rank(self, kwargs: dict) -> dict:
         """``num_items_in_batch`` for a Hugging Face causal LM's loss, so that the mean of
@@ -110,6 +103,21 @@ class DataParallelBatch:
         if t.dim() > 0 and t.shape[0] == self._local_batch:
             return _GatherBatch.apply(t, self.groups, self.size, self.index)
         return t
+
+
+def batch_rows_of(args: tuple, kwargs: dict) -> int:
+    """The batch's rows: dim 0 of the model's first tensor input."""
+    first = next((t for t in _tensors((args, kwargs))), None)
+    if first is None or first.dim() == 0:
+        raise BatchError("batch: the model's first tensor input must have a batch dim 0")
+    return first.shape[0]
+
+
+def narrow_rows(tree: Any, batch: int, start: int, count: int) -> Any:
+    """``tree`` with every tensor whose dim 0 is the ``batch`` rows cut to rows
+    ``[start, start + count)``; other tensors (masks broadcast over the batch) as they are."""
+    return tree_map_only(
+        torch.Tensor, lambda t: t.narrow(0, start, count) if t.dim() > 0 and t.shape[0] == batch else t, tree)
 
 
 def counted_tokens(kwargs: dict) -> torch.Tensor | None:
