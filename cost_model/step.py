@@ -4,10 +4,10 @@ Assumptions (each is what the executor's runtime does, or a stated simplificatio
 
 * Blocking communication (TP/SP collectives, activation resharding, pipeline
   send/recv) sits on the critical path: it is never overlapped.
-* FSDP parameter all-gathers are prefetched one layer ahead (FSDP2's default
-  forward/backward prefetch): with ``layers`` equal units, the first unit's
-  gather is exposed and every later one runs concurrently with the previous
-  unit's compute.  What a concurrent collective still costs is the profile's
+* FSDP parameter all-gathers (``fsdp_gathers`` per unit and step) are prefetched one
+  layer ahead (FSDP2's default forward/backward prefetch): with ``layers`` equal
+  units, the first unit's gather is exposed and every later one runs concurrently
+  with the previous unit's compute.  What a concurrent collective still costs is the profile's
   ``overlap_exposure`` x (measured by ``meshplan calibrate``: 0 on GPUs, where
   NCCL has its own engines; about 1 on an oversubscribed CPU, where gloo's copies
   and reductions need the cores the compute runs on), so exposed =
@@ -226,32 +226,58 @@ def fsdp_host_time(profile: Profile, mode: str, units: int, param_bytes: float,
     return 0.0 if over is None else microbatches * (units * over.unit_s + param_bytes * over.byte_s)
 
 
+def fsdp_gathers(microbatches: int, pipelined: bool, kept: bool) -> int:
+    """All-gathers of one FSDP2 unit's parameters per step, as ``executor.apply`` runs FSDP2.
+
+    A unit that reshards after its forward (every repeated block but the last) gathers in
+    each micro-batch's forward and again in its backward.  ``kept`` units hold their
+    parameters from forward to backward and gather once per micro-batch: the root (FSDP2
+    never reshards it after forward) and the last block (``executor.apply`` keeps it, as
+    TorchTitan does, since the backward starts with it).  Under a pipeline torch's
+    schedules leave every unit gathered after each backward but the last
+    (``set_reshard_after_backward(False)``), so a forward that follows a backward finds its
+    parameters there (and reshards them after) and a backward that follows a backward
+    does too: what gathers is the first forward and every step that follows a forward,
+    m + 1 in any order of the m forwards and m backwards (GPipe, 1F1B, one virtual stage
+    of interleaved 1F1B), and once per step for a kept unit.
+    """
+    if kept:
+        return 1 if pipelined else microbatches
+    return microbatches + 1 if pipelined else 2 * microbatches
+
+
+def fsdp_step_gathers(microbatches: int, pipelined: bool, layers: int, kept_layers: int) -> int:
+    """All-gathers per step of ``layers`` repeated blocks' units, ``kept_layers`` of them
+    kept, and of the root's (``fsdp_gathers``)."""
+    return ((layers - kept_layers) * fsdp_gathers(microbatches, pipelined, kept=False)
+            + (kept_layers + 1) * fsdp_gathers(microbatches, pipelined, kept=True))
+
+
 def bucket_latency(
     profile: Profile,
     mesh_shape: Sequence[int],
     data_dims: Sequence[int],
     fsdp: bool,
-    modules: int,
-    microbatches: int = 1,
-    reductions: int = 1,
+    gathers: float,
+    reductions: float,
 ) -> tuple[float, float]:
-    """(parameter-gather, gradient-reduction) latency per step of ``modules`` FSDP units.
+    """(parameter-gather, gradient-reduction) latency per step of FSDP2's collectives.
 
     FSDP2 (which also runs replicate-mode data parallelism, as HSDP) issues one
-    collective per module for all its parameters, so the fixed cost of a collective
-    is paid per module, not per parameter: per micro-batch a gather in the forward
-    and a re-gather in the backward, and ``reductions`` reductions per step (1 under a
-    pipeline, one per micro-batch without: ``StageCost.grad_reduce_parts``).
+    collective per unit for all its parameters, so the fixed cost of a collective is
+    paid per unit, not per parameter: ``gathers`` all-gathers per step over all units
+    (``fsdp_gathers``; none in replicate mode) and ``reductions`` reductions (one per
+    unit and reduced micro-batch: 1 under a pipeline, each without one,
+    ``StageCost.grad_reduce_parts``).
     """
     gather = reduce = 0.0
     for dim in data_dims:
         if mesh_shape[dim] == 1:
             continue
         if fsdp:
-            gather += 2 * microbatches * modules * collective_latency(
-                profile, "all_gather", mesh_shape, dim)
+            gather += gathers * collective_latency(profile, "all_gather", mesh_shape, dim)
         kind = "reduce_scatter" if fsdp else "all_reduce"
-        reduce += reductions * modules * collective_latency(profile, kind, mesh_shape, dim)
+        reduce += reductions * collective_latency(profile, kind, mesh_shape, dim)
     return gather, reduce
 
 

@@ -56,8 +56,9 @@ class DataParallelBatch:
         # ``num_items_in_batch`` (see ``_items_per_rank``)
         self.counts_tokens = counts_tokens
         # Gathers run innermost dim first so that the result is in row-major rank
-        # order, the order in which ``slice`` hands out the pieces.
-        self.groups = [mesh.get_group(d) for d in reversed(dims)]
+        # order, the order in which ``slice`` hands out the pieces; a dim of one rank (the
+        # unit dim FSDP2's replicate mode needs) has nothing to gather or sum.
+        self.groups = [mesh.get_group(d) for d in reversed(dims) if mesh.size(mesh.mesh_dim_names.index(d)) > 1]
         self._random = _SlicedRandomness(mesh[dims + model_dims], len(dims))
         self.size = 1
         self.index = 0

@@ -98,7 +98,11 @@ class _Lazy:
         return super().__getattribute__(name)
 
     def __getitem__(self, key: Any) -> Any:
-        self._resolve(key if isinstance(key, str) else None)
+        if isinstance(key, str):  # HF's Trainer reads outputs["loss"]
+            self._resolve(key)
+            # ModelOutput looks a name up in dict(self.items()), which would resolve every field
+            return dict.__getitem__(self, key)
+        self._resolve()
         return super().__getitem__(key)
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -228,7 +228,8 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
 
     for k, u in units.items():
         prob += pulp.lpSum(x[k]) == 1
-        objective += [v * (c.compute_s + c.comm_s + c.grad_sync_s + c.gather_s + update_s(c) / state_divisor)
+        objective += [v * (c.compute_s + c.comm_s + c.grad_sync_s + c.gather_s * u.gathers
+                           + update_s(c) / state_divisor)
                       for v, c in zip(x[k], u.choices)]
     for ti, t in enumerate(tensor_map.values()):
         prod = units[t.producer]

@@ -24,7 +24,15 @@ from cost_model.memory import (
     state_bytes_per_param,
     usable_bytes,
 )
-from cost_model.step import StageCost, StepBreakdown, bucket_latency, compose_step, optimizer_time
+from cost_model.step import (
+    StageCost,
+    StepBreakdown,
+    bucket_latency,
+    compose_step,
+    fsdp_gathers,
+    fsdp_step_gathers,
+    optimizer_time,
+)
 from planner.ilp import Solution
 from planner.strategies import Context, Unit, fsdp_degree, fsdp_host_s, loss_mean_s
 
@@ -36,7 +44,7 @@ class Part:
     compute_s: float = 0.0
     recompute_s: float = 0.0  # the part of compute_s that activation checkpointing recomputes
     blocking_s: float = 0.0
-    gather_s: float = 0.0
+    gather_s: float = 0.0  # one FSDP all-gather of its parameters (how many per step: _stage)
     grad_sync_s: float = 0.0  # per step
     state_bytes: float = 0.0
     act_bytes: float = 0.0  # one micro-batch
@@ -142,7 +150,7 @@ def split_parts(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: So
             w[where] += proxy
         total = sum(w.values())
         part = Part(choice.compute_s / m, choice.recompute_s / m, (sum(reshard_by_unit.get(n, 0.0) for n in u.nodes) + choice.comm_s) / m,
-                    choice.gather_s / m, choice.grad_sync_s, sum(choice.state), choice.act_bytes)
+                    choice.gather_s, choice.grad_sync_s, sum(choice.state), choice.act_bytes)
         per_layer = per_layer + part * (w["layer"] / total / layers)
         first = first + part * (w["first"] / total)
         last = last + part * (w["last"] / total)
@@ -160,14 +168,19 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
     # torch's schedules reduce a stage's gradients once, after its last backward (unlike
     # the micro-batches of executor.accumulate, each reduced: Context.grad_reductions)
     assert ctx.grad_reductions == 1  # noqa: S101
-    # per micro-batch, one FSDP2 unit per layer plus the stage's root (cost_model.step.bucket_latency)
+    # one FSDP2 unit per layer plus the stage's root (cost_model.step.bucket_latency); each
+    # virtual stage's last block keeps its parameters (cost_model.step.fsdp_gathers)
+    m, kept = ctx.microbatches, min(virtual, n)
+    gathers = fsdp_step_gathers(m, True, n, kept)
     gather_lat, reduce_lat = bucket_latency(
         ctx.profile, ctx.mesh_shape, [i for i, d in enumerate(ctx.mesh_names) if d == "dp"],
-        "dp" in ctx.fsdp, n + 1)
+        "dp" in ctx.fsdp, gathers=gathers, reductions=n + 1)
+    root_gather = part.gather_s - n * layer.gather_s
+    gather = ((gathers - fsdp_gathers(m, True, kept=True)) * layer.gather_s + root_gather + gather_lat) / m
     cost = StageCost(
         forward_compute_s=fwd, backward_compute_s=compute - fwd, recompute_s=part.recompute_s,
-        blocking_comm_s=part.blocking_s, gather_forward_s=(part.gather_s + gather_lat) / 2,
-        gather_backward_s=(part.gather_s + gather_lat) / 2, p2p_s=p2p_s * virtual,
+        blocking_comm_s=part.blocking_s, gather_forward_s=gather / 2,
+        gather_backward_s=gather / 2, p2p_s=p2p_s * virtual,
         grad_reduce_s=part.grad_sync_s + reduce_lat, grad_reduce_overlapped=False, layers=max(n, 1),
         overlap_exposure=ctx.profile.overlap_exposure,
         optimizer_s=optimizer_time(ctx.profile, part.state_bytes / state_bytes_per_param(ctx.optimizer).total,

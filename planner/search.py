@@ -33,6 +33,7 @@ from cost_model.step import (
     StepBreakdown,
     bucket_latency,
     compose_step,
+    fsdp_step_gathers,
     optimizer_time,
     partial_grad_time,
 )
@@ -148,7 +149,7 @@ def _context(profile: Profile, names: Sequence[str], shape: Sequence[int], batch
         seq_len=seq, microbatches=microbatches, dtype="fp32" if cpu else "bf16",
         act_itemsize=_training_dtype(profile).itemsize, optimizer="adam-fp32" if cpu else "adam-mixed",
         fsdp=frozenset({"dp"}) if fsdp else frozenset(), checkpointing=checkpointing,
-        feature_divisor=divisor, trace_itemsize=trace_itemsize, grad_reductions=microbatches if pp == 1 else 1,
+        feature_divisor=divisor, trace_itemsize=trace_itemsize, pp=pp,
     )
 
 
@@ -221,9 +222,12 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     compute = sum(c.compute_s for c in chosen)
     data_dims = [i for i, n in enumerate(ctx.mesh_names) if n == "dp"]
     # executor.apply: one FSDP2 unit per layer plus the root, each moving its parameters in one collective
-    gather_lat, reduce_lat = bucket_latency(ctx.profile, ctx.mesh_shape, data_dims, "dp" in ctx.fsdp,
-                                            graph.graph["layers"] + 1, m, ctx.grad_reductions)
-    gather = sum(c.gather_s for c in chosen) + gather_lat
+    layers = graph.graph["layers"]
+    gather_lat, reduce_lat = bucket_latency(
+        ctx.profile, ctx.mesh_shape, data_dims, "dp" in ctx.fsdp,
+        gathers=fsdp_step_gathers(m, False, layers, kept_layers=min(layers, 1)),
+        reductions=(layers + 1) * ctx.grad_reductions)
+    gather = sum(c.gather_s * units[k].gathers for k, c in sol.choice.items()) + gather_lat
     state = [sum(c.state[i] for c in chosen) for i in range(3)]
     compute += fsdp_host_s(ctx, graph.graph["layers"] + 1, state[0])
     # backward = 2x forward, plus what checkpointing recomputes

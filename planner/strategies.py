@@ -39,7 +39,7 @@ import networkx as nx
 from cost_model.comm import collective_time
 from cost_model.compute import column_factor, fresh_pages_time, op_time
 from cost_model.profile import Profile
-from cost_model.step import fsdp_host_time
+from cost_model.step import fsdp_gathers, fsdp_host_time, fsdp_step_gathers
 from planner.schema import fqn_pattern
 from planner.tracer import layer_weight
 
@@ -85,9 +85,25 @@ class Context:
     checkpointing: str
     feature_divisor: int  # every feature sharding must divide this (heads, kv heads, ...)
     trace_itemsize: int = 4  # bytes per parameter element of the traced graph
-    # data-parallel gradient reductions per step: one per micro-batch without a pipeline
-    # (executor.accumulate lets FSDP2 reduce each part's), one under a pipeline schedule
-    grad_reductions: int = 1
+    pp: int = 1  # pipeline stages
+
+    @property
+    def grad_reductions(self) -> int:
+        """Data-parallel gradient reductions per step: one per micro-batch without a
+        pipeline (executor.accumulate lets FSDP2 reduce each part's), one under a
+        pipeline schedule."""
+        return self.microbatches if self.pp == 1 else 1
+
+    def gathers(self, in_layer: bool, layers: int) -> float:
+        """FSDP2 all-gathers per step of a parameter (``cost_model.step.fsdp_gathers``):
+        in the root's unit, or in a repeated layer's, averaged over the ``layers`` layers,
+        of which each pipeline stage's last keeps its parameters (virtual stages' last
+        blocks are left out here; ``planner.pipeline`` counts them per stage)."""
+        m, piped = self.microbatches, self.pp > 1
+        root = fsdp_gathers(m, piped, kept=True)
+        if not in_layer:
+            return root
+        return (fsdp_step_gathers(m, piped, layers, kept_layers=min(self.pp, layers)) - root) / layers
 
     @property
     def bytes_scale(self) -> float:
@@ -116,7 +132,7 @@ class Choice:
     state: tuple[float, float, float] = (0.0, 0.0, 0.0)  # weight, grad, optimizer bytes per device
     act_bytes: float = 0.0  # activations kept for backward, per device
     grad_sync_s: float = 0.0  # gradient all-reduce / reduce-scatter per step
-    gather_s: float = 0.0  # FSDP all-gathers per step (forward and backward)
+    gather_s: float = 0.0  # one FSDP all-gather of its parameters (Unit.gathers of them per step)
     comm_s: float = 0.0  # blocking collectives inside the choice per step (the vocab-parallel loss's)
 
 
@@ -131,6 +147,7 @@ class Unit:
     # whether a replicated input is cut to this unit's layout (a local chunk) even when
     # none of its other inputs arrives so: see ``cuts_replicated_inputs``
     cuts_inputs: bool = True
+    gathers: float = 0.0  # FSDP all-gathers of its parameters per step (Context.gathers)
 
 
 def concrete(layout: str, shape: Sequence[int], seq_len: int) -> str | None:
@@ -314,8 +331,8 @@ def _anchor_layouts(op: str, kind: str) -> tuple[str, str] | None:
 
 def _param_state(ctx: Context, shape: Sequence[int], placements: Sequence[str]
                  ) -> tuple[tuple[float, float, float], float, float]:
-    """((weight, grad, optimizer) bytes per device, gradient sync s, FSDP gather s) of one
-    parameter.  FSDP divides all three by its degree (ZeRO-3); the transient unsharded
+    """((weight, grad, optimizer) bytes per device, gradient sync s, one FSDP gather s) of
+    one parameter.  FSDP divides all three by its degree (ZeRO-3); the transient unsharded
     copy of the layer being computed is left to the profile's memory headroom."""
     from cost_model.comm import collective_time
     from cost_model.memory import state_bytes_per_param
@@ -337,9 +354,8 @@ def _param_state(ctx: Context, shape: Sequence[int], placements: Sequence[str]
         if i in fsdp:
             sync += ctx.grad_reductions * collective_time(ctx.profile, "reduce_scatter", grad_bytes,
                                                           ctx.mesh_shape, i, latency=False)
-            # forward gather + backward re-gather (reshard_after_forward), every micro-batch
-            gather += 2 * ctx.microbatches * collective_time(
-                ctx.profile, "all_gather", local * per.weights, ctx.mesh_shape, i, latency=False)
+            gather += collective_time(ctx.profile, "all_gather", local * per.weights, ctx.mesh_shape, i,
+                                      latency=False)
         elif name == "dp":
             sync += ctx.grad_reductions * collective_time(ctx.profile, "all_reduce", grad_bytes,
                                                           ctx.mesh_shape, i, latency=False)
@@ -532,7 +548,8 @@ def build_units(ctx: Context, graph: nx.DiGraph) -> tuple[dict[str, Unit], dict[
         kind = "anchor" if key in anchors else "segment"
         mult = sum(layer_weight(graph, n) for n in members)
         unit = Unit(key, kind, sorted(members), mult, graph.nodes[key]["module"],
-                    cuts_inputs=cuts_replicated_inputs(graph, kind, [key] if kind == "anchor" else members))
+                    cuts_inputs=cuts_replicated_inputs(graph, kind, [key] if kind == "anchor" else members),
+                    gathers=ctx.gathers(graph.nodes[key].get("layer") is not None, graph.graph["layers"]))
         if kind == "anchor":
             unit.choices = anchor_choices(ctx, graph, key, mult)
         else:

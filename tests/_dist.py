@@ -17,6 +17,7 @@ import queue
 import socket
 import tempfile
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # A short timeout turns a rank stuck in a collective (its peer failed) into an error.
 _COLLECTIVE_TIMEOUT = timedelta(seconds=120)
@@ -253,3 +255,20 @@ def _split_layers_evenly(pipeline: Any, pp: int) -> None:
                        for i in range(pp)]
     pipeline.stages[0].modules[:0] = before
     pipeline.stages[-1].modules.extend(after)
+
+
+class Collectives(TorchDispatchMode):
+    """Counts functional collectives (or ``namespace``'s, e.g. FSDP2's ``c10d`` ones) by
+    name (CommDebugMode's module tracker follows neither a checkpoint's recomputation nor
+    a backward inside the model's call, as micro-batches run)."""
+
+    def __init__(self, namespace: str = "_c10d_functional") -> None:
+        super().__init__()
+        self.namespace = namespace
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace == self.namespace and not func.__name__.startswith(
+                ("wait_tensor", "_wrap_tensor_autograd")):
+            self.counts[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))

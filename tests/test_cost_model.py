@@ -38,6 +38,8 @@ from cost_model.step import (
     bucket_latency,
     compose_step,
     exposed,
+    fsdp_gathers,
+    fsdp_step_gathers,
     loss_mean_time,
     optimizer_time,
     partial_grad_time,
@@ -813,17 +815,27 @@ def test_collective_latency_is_the_fixed_part(toy):
     assert collective_latency(toy, "all_reduce", [1, 4], 0) == 0.0  # a size-1 dim costs nothing
 
 
-def test_fsdp_latency_is_charged_per_unit_not_per_parameter(toy):
-    # 5 FSDP units on a dp dim of 4 inside one node, 2 micro-batches: a gather and a
-    # re-gather per unit and micro-batch, one reduce-scatter per unit and step
-    gather, reduce = bucket_latency(toy, [4], [0], fsdp=True, modules=5, microbatches=2)
-    assert gather == pytest.approx(2 * 2 * 5 * 1e-5) and reduce == pytest.approx(5 * 1e-5)
+def test_fsdp_latency_is_charged_per_collective_not_per_parameter(toy):
+    # 12 all-gathers and 5 reduce-scatters per step on a dp dim of 4 inside one node
+    gather, reduce = bucket_latency(toy, [4], [0], fsdp=True, gathers=12, reductions=5)
+    assert gather == pytest.approx(12 * 1e-5) and reduce == pytest.approx(5 * 1e-5)
     # replicate-mode DP (HSDP): no gathers, one all-reduce per unit
-    assert bucket_latency(toy, [4], [0], fsdp=False, modules=5) == (0.0, pytest.approx(5e-5))
-    assert bucket_latency(toy, [1, 4], [0], fsdp=True, modules=5) == (0.0, 0.0)
-    # without a pipeline each micro-batch's backward reduces (executor.accumulate)
-    assert bucket_latency(toy, [4], [0], fsdp=True, modules=5, microbatches=2, reductions=2)[1] == \
-        pytest.approx(2 * 5 * 1e-5)
+    assert bucket_latency(toy, [4], [0], fsdp=False, gathers=12, reductions=5) == (0.0, pytest.approx(5e-5))
+    assert bucket_latency(toy, [1, 4], [0], fsdp=True, gathers=12, reductions=5) == (0.0, 0.0)
+
+
+def test_fsdp_gathers_per_unit_follow_fsdp2s_resharding():
+    """A unit that reshards after forward gathers in every micro-batch's forward and
+    backward; the root and the last block keep theirs (once per micro-batch).  Under a
+    pipeline a backward leaves every unit gathered but the last: m + 1, and 1 if kept."""
+    assert [fsdp_gathers(m, False, kept=False) for m in (1, 4)] == [2, 8]
+    assert [fsdp_gathers(m, False, kept=True) for m in (1, 4)] == [1, 4]
+    assert [fsdp_gathers(m, True, kept=False) for m in (1, 4)] == [2, 5]
+    assert [fsdp_gathers(m, True, kept=True) for m in (1, 4)] == [1, 1]
+    # 4 layers, the last kept, and the root: 3 x 2 + 2 per micro-batch (what FSDP2 ran
+    # in the fidelity bench's FSDP step: _allgather_base_ 8)
+    assert fsdp_step_gathers(1, False, 4, kept_layers=1) == 8
+    assert fsdp_step_gathers(4, True, 4, kept_layers=2) == 2 * 5 + 2 + 1
 
 
 def test_gradient_reduction_in_every_micro_batch_hides_behind_each_backward():

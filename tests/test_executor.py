@@ -7,6 +7,7 @@ with the same training loop run here with a 1-device plan and no process group.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections import Counter
@@ -18,17 +19,17 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import make_plan, run_on_ranks
+from _dist import Collectives, make_plan, run_on_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import executor
 import planner
+from cost_model.step import fsdp_step_gathers
 from planner.presets import PRESETS, build_model, load_config
 from planner.schema import ParameterPlacement, Plan
 
@@ -670,18 +671,39 @@ def test_a_given_mesh_runs_the_plan_on_a_subgroup_of_the_world() -> None:
 # -- collectives the plan implies, and no more -----------------------------------------
 
 @contextmanager
-def tp2_on_fake_group(sp: bool, checkpointing: str = "none") -> Iterator[nn.Module]:
-    """Rank 0 of a tp=2 tiny Llama in one process, on torch's fake process group (where
-    collectives cost nothing and CommDebugMode still counts them)."""
-    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+def on_fake_group(case: Case) -> Iterator[nn.Module]:
+    """Rank 0 of ``case``'s model applied in one process, on torch's fake process group
+    (where collectives cost nothing and CommDebugMode still counts them)."""
+    torch.distributed.init_process_group("fake", rank=0, world_size=math.prod(case.mesh.values()), store=FakeStore())
     try:
-        case = Case("llama", {"tp": 2}, sp=sp)
         executor.rng.manual_seed(SEED)
         model = build(case)
-        yield executor.apply(make_plan(model, case.mesh, sp=sp, checkpointing=checkpointing), model)
+        yield executor.apply(make_plan(model, case.mesh, fsdp=case.fsdp, sp=case.sp, checkpointing=case.checkpointing,
+                                       microbatches=case.microbatches), model)
     finally:
         torch.distributed.destroy_process_group()
         executor.rng.deactivate()
+
+
+def tp2_on_fake_group(sp: bool, checkpointing: str = "none") -> Iterator[nn.Module]:
+    """Rank 0 of a tp=2 tiny Llama (``on_fake_group``)."""
+    return on_fake_group(Case("llama", {"tp": 2}, sp=sp, checkpointing=checkpointing))
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_fsdp_gathers_what_the_cost_model_charges(microbatches: int) -> None:
+    """FSDP2's all-gathers in one training step of dp=2 fully sharded, with the plan's
+    micro-batches run inside the call: a gather per micro-batch's forward and backward
+    for each block but the last, one per micro-batch for the last block and the root,
+    which keep their parameters from forward to backward (cost_model.step.fsdp_gathers)."""
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    with on_fake_group(Case("llama", {"dp": 2}, fsdp=True, microbatches=microbatches)) as model:
+        model(input_ids=ids, labels=ids).loss.backward()  # the first step initialises FSDP2 lazily
+        with Collectives("c10d") as comm:
+            model(input_ids=ids, labels=ids).loss.backward()
+    layers = PRESETS["llama-tiny"]["num_hidden_layers"]
+    assert comm.counts["_allgather_base_"] == \
+        fsdp_step_gathers(microbatches, False, layers, kept_layers=1) == microbatches * (2 * (layers - 1) + 2)
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
@@ -810,11 +832,11 @@ def test_the_planners_sequence_parallel_plan_issues_the_collectives_it_prices(ch
         ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         locally = executor.local_regions.running_locally(model)
-        with _Collectives() as forward:
+        with Collectives() as forward:
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        with _Collectives() as backward:
+        with Collectives() as backward:
             loss.backward()
-        with torch.no_grad(), _Collectives() as evaluation:
+        with torch.no_grad(), Collectives() as evaluation:
             model(input_ids=ids, use_cache=False)
     finally:
         torch.distributed.destroy_process_group()
@@ -873,7 +895,7 @@ def test_block_inputs_reduce_their_pending_gradients_at_the_boundary(mesh: dict[
         model = executor.apply(plan, build(Case("llama")))
         ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        with _Collectives() as backward:
+        with Collectives() as backward:
             loss.backward()
     finally:
         torch.distributed.destroy_process_group()
@@ -954,19 +976,18 @@ def test_sequence_parallel_rowwise_outputs_are_reduce_scattered(learned: bool) -
     assert read == {**forward, "all_gather_into_tensor": 2 * layers + 2}
 
 
-class _Collectives(TorchDispatchMode):
-    """Counts functional collectives by name (CommDebugMode's module tracker does not
-    follow a checkpoint's recomputation)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace == "_c10d_functional" and not func.__name__.startswith(
-                ("wait_tensor", "_wrap_tensor_autograd")):
-            self.counts[func.__name__.split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
+def test_reading_the_loss_by_key_gathers_no_other_output() -> None:
+    """Hugging Face's Trainer reads ``outputs["loss"]``: under data parallelism that must
+    not all-gather the global batch's logits (the step's largest collective), which a
+    read of ``outputs["logits"]`` does, once."""
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    with on_fake_group(Case("llama", {"dp": 2})) as model:
+        out = model(input_ids=ids, labels=ids)
+        with Collectives("c10d") as comm:
+            loss = out["loss"]
+            gathered_for_loss = comm.counts["_allgather_base_"]
+            assert out["logits"].shape[0] == out.logits.shape[0] == BATCH
+    assert loss.dim() == 0 and gathered_for_loss == 0 and comm.counts["_allgather_base_"] == 1
 
 
 @pytest.mark.parametrize("checkpointing", ["selective", "full"])
@@ -983,7 +1004,7 @@ def test_recomputation_reissues_the_collectives_the_planner_charges(checkpointin
         with tp2_on_fake_group(sp=True, checkpointing=mode) as model:
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # blocks learn
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            with _Collectives() as comm:
+            with Collectives() as comm:
                 loss.backward()
             backward[mode] = comm.counts
     assert backward[checkpointing] - backward["none"] == {

@@ -16,12 +16,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import pipeline_variant, run_on_ranks
+from _dist import Collectives, pipeline_variant, run_on_ranks
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import executor
 import planner
+from cost_model.step import fsdp_step_gathers
 from executor import pipeline
 from executor.pipeline import PipelineError
 from planner.presets import PRESETS, build_model, load_config
@@ -74,9 +75,12 @@ def train(plan_json: str, save_to: str | None = None, resume_from: str | None = 
     if resume_from:
         out["loaded"] = _full(dict(model.named_parameters()))
     for step in range(start, STEPS):
-        for ids in (data[step], data[(step + 1) % STEPS]) if accumulate else (data[step],):
-            loss = model(input_ids=ids, labels=_ignoring_row_tails(ids)).loss
-            (loss / 2 if accumulate else loss).backward()
+        with Collectives("c10d") as comm:  # FSDP2's all-gathers
+            for ids in (data[step], data[(step + 1) % STEPS]) if accumulate else (data[step],):
+                loss = model(input_ids=ids, labels=_ignoring_row_tails(ids)).loss
+                (loss / 2 if accumulate else loss).backward()
+        if step == start + 1:  # after the first step's lazy initialisation
+            out["gathers"] = comm.counts["_allgather_base_"]
         opt.step()
         opt.zero_grad()
         out["losses"][step] = loss.item()
@@ -207,6 +211,19 @@ def test_two_stages_match_single_device(name: str, world2: dict, reference: dict
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_two_stages_by_two_data_parallel_match_single_device(name: str, world4: list, reference: dict) -> None:
     _assert_matches(world4, name, reference)
+
+
+def test_fully_sharded_stages_gather_what_the_cost_model_charges(plans: dict[str, Plan], world4: list) -> None:
+    """Each step's FSDP2 all-gathers on each rank of fully sharded pp2 x dp2, 1F1B: the
+    stage's last block and root gather once, every other block m + 1 times (torch's
+    schedules keep units gathered after every backward but the last), as
+    ``cost_model.step.fsdp_gathers`` counts them (it counted 2m for every unit)."""
+    plan = Plan.from_json(pipeline_variant(plans["pp2xdp2"], *WORLD4["fsdp-1f1b"][1:]))
+    assert plan.microbatches > 1
+    for rank, result in enumerate(world4):
+        stage = plan.pipeline.stages[rank // 2]  # pp is the outer mesh dim
+        layers = sum(m.startswith("model.layers.") for m in stage.modules)
+        assert result["fsdp-1f1b"]["gathers"] == fsdp_step_gathers(plan.microbatches, True, layers, kept_layers=1)
 
 
 def test_each_rank_holds_only_its_stages(world2: dict) -> None:
