@@ -395,8 +395,12 @@ def _gemm_features(ctx: Context, node: dict, op: str, kinds: dict[int, str]) -> 
     return n / split["col"], k / split["row"]
 
 
-def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float) -> list[Choice]:
-    """Choices of anchor ``node`` standing for ``mult`` real ops (repeated layers)."""
+def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float,
+                   shared: frozenset[str] = frozenset()) -> list[Choice]:
+    """Choices of anchor ``node`` standing for ``mult`` real ops (repeated layers).
+
+    ``shared``: its parameters that another anchor owns (a tied head's weight, the
+    embedding's): placed here too, their state and its traffic counted by the owner."""
     d = graph.nodes[node]
     layers = graph.graph["layers"]
     op = d["short"]
@@ -426,6 +430,8 @@ def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float) -> l
                 if p.startswith("S(") and pshape[int(p[2:-1])] % n:
                     ok = False
             weights[fqn] = pl
+            if fqn in shared:
+                continue
             s, g_sync, g_gather = _param_state(ctx, pshape, pl)
             state = tuple(a + mult * b for a, b in zip(state, s))
             gather += mult * g_gather
@@ -471,10 +477,22 @@ def _cuts_features(node: dict) -> bool:
             and dst[-1] != src[-1])
 
 
-def segment_choices(ctx: Context, graph: nx.DiGraph, nodes: Sequence[str]) -> list[Choice]:
-    """Layouts of the segment made of ``nodes`` (every traced member, each at its multiplicity)."""
+def segment_choices(ctx: Context, graph: nx.DiGraph, nodes: Sequence[str],
+                    shared: frozenset[str] = frozenset()) -> list[Choice]:
+    """Layouts of the segment made of ``nodes`` (every traced member, each at its multiplicity).
+
+    Its parameters (norm weights and biases, but ``shared`` ones, which an anchor owns)
+    stay replicated on the model dims under every layout: their state and its traffic
+    are the same in each choice."""
     data = [(graph.nodes[n], float(layer_weight(graph, n))) for n in nodes]
     layers = graph.graph["layers"]
+    owned = {fqn: w for d, w in data for fqn in d["params"].values() if fqn not in shared}
+    whole = ("R",) * len(ctx.mesh_shape)
+    state, sync, gather = (0.0, 0.0, 0.0), 0.0, 0.0
+    for fqn, w in owned.items():
+        s, g_sync, g_gather = _param_state(ctx, graph.graph["param_shapes"][fqn], whole)
+        state = tuple(a + w * b for a, b in zip(state, s))
+        sync, gather = sync + w * g_sync, gather + w * g_gather
     shorts = {d["short"] for d, _ in data}
     only_views = shorts <= VIEW_OPS
     shapes = {d["shape"] for d, _ in data if d["shape"]}
@@ -493,8 +511,9 @@ def segment_choices(ctx: Context, graph: nx.DiGraph, nodes: Sequence[str]) -> li
         name = "+".join(per_dim[i] for i in ctx.free_dims) or "B"
         comm = _vocab_parallel_loss_s(ctx, layout) if shorts & LOSS_OPS else 0.0
         compute, recompute = _compute_s(ctx, data, shards)
-        out.append(Choice(name, layout, layout, compute, recompute,
-                          act_bytes=_saved_bytes(ctx, data, layers) / shards, comm_s=comm))
+        out.append(Choice(name, layout, layout, compute, recompute, weights=dict.fromkeys(owned, whole),
+                          state=state, act_bytes=_saved_bytes(ctx, data, layers) / shards,
+                          grad_sync_s=sync, gather_s=gather, comm_s=comm))
     return out
 
 
@@ -533,6 +552,12 @@ def build_units(ctx: Context, graph: nx.DiGraph) -> tuple[dict[str, Unit], dict[
     follow.add_nodes_from(act - anchors)
     follow.add_edges_from((u, v) for u, v in graph.edges if u in follow and v in follow)
     canon = canonical_map(graph)
+    # a parameter used by several anchors (tied embeddings) is owned by the first
+    owner: dict[str, str] = {}
+    for n in nx.topological_sort(graph):
+        if n in anchors:
+            for fqn in graph.nodes[n]["params"].values():
+                owner.setdefault(fqn, canon[n])
     unit_of: dict[str, str] = {}
     groups: dict[str, list[str]] = {}
     for a in anchors:
@@ -551,9 +576,10 @@ def build_units(ctx: Context, graph: nx.DiGraph) -> tuple[dict[str, Unit], dict[
                     cuts_inputs=cuts_replicated_inputs(graph, kind, [key] if kind == "anchor" else members),
                     gathers=ctx.gathers(graph.nodes[key].get("layer") is not None, graph.graph["layers"]))
         if kind == "anchor":
-            unit.choices = anchor_choices(ctx, graph, key, mult)
+            shared = frozenset(f for f in graph.nodes[key]["params"].values() if owner[f] != key)
+            unit.choices = anchor_choices(ctx, graph, key, mult, shared)
         else:
-            unit.choices = segment_choices(ctx, graph, members)
+            unit.choices = segment_choices(ctx, graph, members, frozenset(owner))
         units[key] = unit
     return units, unit_of
 

@@ -753,3 +753,18 @@ def test_data_parallel_gradients_are_reduced_in_every_micro_batch_without_a_pipe
                                    batch_size=8, seq_len=16).prediction.time for m in (1, 4))
     # 4 forward gathers, 4 backward re-gathers and 4 reductions where there was 1 of each
     assert four.communication_s == pytest.approx(4 * one.communication_s, rel=0.05)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_model_states_count_every_parameter_once(tied: bool) -> None:
+    """The model states are those of the parameters the model has: GPT-2's tied head is
+    its embedding (counted twice, +31%, until session 18), and the norms' weights and
+    biases, which no matrix product owns, count too."""
+    from planner.presets import build_model, load_config
+
+    config = {**PRESETS["gpt2"], "tie_word_embeddings": tied}
+    params = sum(p.numel() for p in build_model(load_config(config)).parameters())
+    assert params == (124_439_808 if tied else 124_439_808 + 50257 * 768)
+    pred = planner.estimate(config, devices=8, profile="h100-sxm-80g", dp=8, tp=1, batch_size=8, seq_len=128)
+    assert pred.memory.parameters == 2 * params  # bf16 weights, replicated
+    assert pred.memory.optimizer == 12 * params  # fp32 master, m and v
