@@ -11,7 +11,8 @@ Formulation (units and choices from ``planner.strategies``):
                         gradient comes back Partial on dims D (Megatron's f):
                         x[v,c] <= p[t, in_layout(v,c), D(c)]
     minimise  sum x[u,c] (compute + collectives inside c (the vocab-parallel loss's)
-                          + gradient sync + FSDP gathers + optimizer step)
+                          + gradient sync + FSDP gathers + optimizer step
+                          + reducing gradients its split activations leave Partial)
             + sum w[t,s,l] * reshard(t, s -> l)             (forward + backward, + the
                         forward again where a checkpointed layer recomputes t)
             + sum w'[t,s,l,D] * partial_grad(t, s -> l, D)   (the backward's reduction;
@@ -228,7 +229,7 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
 
     for k, u in units.items():
         prob += pulp.lpSum(x[k]) == 1
-        objective += [v * (c.compute_s + c.comm_s + c.grad_sync_s + c.gather_s * u.gathers
+        objective += [v * (c.compute_s + c.comm_s + c.grad_sync_s + c.gather_s * u.gathers + c.pending_grad_s
                            + update_s(c) / state_divisor)
                       for v, c in zip(x[k], u.choices)]
     for ti, t in enumerate(tensor_map.values()):

@@ -13,6 +13,7 @@ composes the stages, bubble included (GPipe, 1F1B, interleaved 1F1B).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -32,6 +33,7 @@ from cost_model.step import (
     fsdp_gathers,
     fsdp_step_gathers,
     optimizer_time,
+    partial_grad_time,
 )
 from planner.ilp import Solution
 from planner.strategies import Context, Unit, fsdp_degree, fsdp_host_s, loss_mean_s
@@ -48,6 +50,7 @@ class Part:
     grad_sync_s: float = 0.0  # per step
     state_bytes: float = 0.0
     act_bytes: float = 0.0  # one micro-batch
+    tensors: float = 0.0  # parameter tensors (the optimizer's per-tensor ops)
 
     def __add__(self, o: Part) -> Part:
         return Part(*(a + b for a, b in zip(self.__dict__.values(), o.__dict__.values(), strict=True)))
@@ -150,18 +153,45 @@ def split_parts(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: So
             w[where] += proxy
         total = sum(w.values())
         part = Part(choice.compute_s / m, choice.recompute_s / m, (sum(reshard_by_unit.get(n, 0.0) for n in u.nodes) + choice.comm_s) / m,
-                    choice.gather_s, choice.grad_sync_s, sum(choice.state), choice.act_bytes)
+                    choice.gather_s, choice.grad_sync_s, sum(choice.state), choice.act_bytes, choice.tensors)
         per_layer = per_layer + part * (w["layer"] / total / layers)
         first = first + part * (w["first"] / total)
         last = last + part * (w["last"] / total)
     return per_layer, first, last + Part(blocking_s=loss_mean_s(ctx))
 
 
+Partials = tuple[list[tuple[str, float, int]], list[tuple[str, float, int]], list[tuple[str, float, int]]]
+
+
+def split_partials(graph: nx.DiGraph, partial: Sequence[tuple[str, str, float, int]]) -> Partials:
+    """(one layer's, the first stage's, the last stage's) gradients left Partial
+    (``planner.search._partial_grads``' entries, without the parameter): the modules
+    before the layers run on the first stage, those after them on the last."""
+    first_nodes = _first_nodes(graph)
+    before = {f for n in first_nodes for f in graph.nodes[n].get("params", {}).values()}
+    indexed = {fqn: next((int(p) for p in fqn.split(".") if p.isdigit()), None) for fqn, *_ in partial}
+    lowest = min((i for i in indexed.values() if i is not None), default=None)
+    out: Partials = ([], [], [])
+    for fqn, *entry in partial:
+        if indexed[fqn] is not None:
+            if indexed[fqn] == lowest:
+                out[0].append(tuple(entry))
+        else:
+            out[1 if fqn in before else 2].append(tuple(entry))
+    return out
+
+
 def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, last: Part,
-           schedule: str, virtual: int, p2p_s: float) -> tuple[StageCost, float, float, float]:
+           schedule: str, virtual: int, p2p_s: float, partials: Partials = ([], [], [])
+           ) -> tuple[StageCost, float, float, float]:
     """(cost, memory, model-state bytes, FSDP2's gathered bytes) of stage ``index`` holding
     ``n`` layers."""
     part = layer * n + (first if index == 0 else Part()) + (last if index == pp - 1 else Part())
+    # the stage's gradients left Partial, reduced after each backward as without a pipeline
+    pending = partials[0] * n + (partials[1] if index == 0 else []) + (partials[2] if index == pp - 1 else [])
+    data = [i for i, d in enumerate(ctx.mesh_names) if d == "dp"]
+    partial_s = partial_grad_time(ctx.profile, ctx.mesh_shape, pending,
+                                  bucketed=math.prod(ctx.mesh_shape[i] for i in data) == 1)
     per = state_bytes_per_param(ctx.optimizer)
     compute = part.compute_s + fsdp_host_s(ctx, n + 1, part.state_bytes * per.weights / per.total) / ctx.microbatches
     fwd = (compute - part.recompute_s) / 3  # backward = 2x forward, plus the recompute
@@ -172,19 +202,19 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
     # virtual stage's last block keeps its parameters (cost_model.step.fsdp_gathers)
     m, kept = ctx.microbatches, min(virtual, n)
     gathers = fsdp_step_gathers(m, True, n, kept)
-    gather_lat, reduce_lat = bucket_latency(
-        ctx.profile, ctx.mesh_shape, [i for i, d in enumerate(ctx.mesh_names) if d == "dp"],
-        "dp" in ctx.fsdp, gathers=gathers, reductions=n + 1)
+    gather_lat, reduce_lat = bucket_latency(ctx.profile, ctx.mesh_shape, data, "dp" in ctx.fsdp,
+                                            gathers=gathers, reductions=n + 1)
     root_gather = part.gather_s - n * layer.gather_s
     gather = ((gathers - fsdp_gathers(m, True, kept=True)) * layer.gather_s + root_gather + gather_lat) / m
     cost = StageCost(
         forward_compute_s=fwd, backward_compute_s=compute - fwd, recompute_s=part.recompute_s,
-        blocking_comm_s=part.blocking_s, gather_forward_s=gather / 2,
+        blocking_comm_s=part.blocking_s + partial_s, gather_forward_s=gather / 2,
         gather_backward_s=gather / 2, p2p_s=p2p_s * virtual,
         grad_reduce_s=part.grad_sync_s + reduce_lat, grad_reduce_overlapped=False, layers=max(n, 1),
         overlap_exposure=ctx.profile.overlap_exposure,
-        optimizer_s=optimizer_time(ctx.profile, part.state_bytes / state_bytes_per_param(ctx.optimizer).total,
-                                   ctx.optimizer),
+        optimizer_s=optimizer_time(ctx.profile, part.state_bytes / per.total, ctx.optimizer,
+                                   tensors=max(round(part.tensors), 1),
+                                   dtensor=math.prod(ctx.mesh_shape) > 1),  # as planner.search.evaluate
     )
     inflight = inflight_microbatches(schedule, pp, ctx.microbatches, index, virtual)
     # the stage's root unit holds the embedding (first stage) and the head (last stage)
@@ -196,7 +226,8 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
 
 
 def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last: Part,
-              schedule: str, virtual: int, p2p_s: float, budget: float) -> list[Stage] | None:
+              schedule: str, virtual: int, p2p_s: float, budget: float,
+              partials: Partials = ([], [], [])) -> list[Stage] | None:
     """Contiguous layer counts per stage minimising the slowest stage within ``budget``
     bytes per device (DP)."""
     inf = (math.inf, None)
@@ -204,7 +235,7 @@ def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last
 
     def stage(i: int, n: int) -> tuple[StageCost, float, float, float]:
         if (i, n) not in memo:  # layers are identical: a stage is its index and size
-            memo[i, n] = _stage(ctx, pp, i, n, layer, first, last, schedule, virtual, p2p_s)
+            memo[i, n] = _stage(ctx, pp, i, n, layer, first, last, schedule, virtual, p2p_s, partials)
         return memo[i, n]
 
     # best[i][j]: (slowest stage time, counts) placing the first j layers on stages 0..i-1
@@ -267,11 +298,13 @@ def schedule_blocker(layers: int, pp: int, microbatches: int, schedule: str, vir
 
 def best_pipeline(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution, pp: int,
                   schedules: tuple[tuple[str, int], ...] = SCHEDULES, budget: float | None = None,
+                  partial: Sequence[tuple[str, str, float, int]] = (),
                   ) -> tuple[list[Stage], str, int, StepBreakdown] | None:
     """The best (stages, schedule, virtual stages, step breakdown) over the ``schedules``
     the executor can run, each stage within ``budget`` bytes (default: the profile's usable
-    memory)."""
+    memory); ``partial``: the gradients left Partial (``planner.search._partial_grads``)."""
     layer, first, last = split_parts(ctx, graph, units, sol)
+    partials = split_partials(graph, partial)
     layers = graph.graph["layers"]
     p2p = p2p_time(ctx, graph, (pp, *ctx.mesh_shape))
     budget = usable_bytes(ctx.profile) if budget is None else budget
@@ -279,7 +312,7 @@ def best_pipeline(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: 
     for schedule, virtual in schedules:
         if schedule_blocker(layers, pp, ctx.microbatches, schedule, virtual):
             continue
-        stages = partition(ctx, layers, pp, layer, first, last, schedule, virtual, p2p, budget)
+        stages = partition(ctx, layers, pp, layer, first, last, schedule, virtual, p2p, budget, partials)
         if stages is None:
             continue
         b = compose_step([s.cost for s in stages], ctx.microbatches, schedule, virtual)

@@ -177,8 +177,8 @@ def _placed(chosen: Iterable[Choice]) -> dict[str, tuple[str, ...]]:
 
 
 def _partial_grads(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit], sol: Solution,
-                   placed: Mapping[str, tuple[str, ...]]) -> list[tuple[str, float, int]]:
-    """(collective, local gradient bytes, mesh dim) per gradient left Partial on a dim.
+                   placed: Mapping[str, tuple[str, ...]]) -> list[tuple[str, str, float, int]]:
+    """(parameter, collective, local gradient bytes, mesh dim) per gradient left Partial on a dim.
 
     ``executor.apply`` reduces them once per backward: a parameter replicated on a
     model-parallel dim whose unit's activations are split over that dim (a norm under
@@ -210,7 +210,7 @@ def _partial_grads(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit], s
                 continue
             shards = math.prod(n for j, (n, p) in enumerate(zip(ctx.mesh_shape, pl))
                                if p.startswith("S(") and j != i)
-            out.append(("all_reduce", math.prod(shape) / shards * per.grads, i))
+            out.append((fqn, "all_reduce", math.prod(shape) / shards * per.grads, i))
     return out
 
 
@@ -236,13 +236,13 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     stage = StageCost(
         forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m, recompute_s=recompute / m,
         blocking_comm_s=(sol.reshard_s + sum(c.comm_s for c in chosen)) / m + loss_mean_s(ctx)
-        + partial_grad_time(ctx.profile, ctx.mesh_shape, _partial_grads(ctx, graph, units, sol, placed),
+        + partial_grad_time(ctx.profile, ctx.mesh_shape, [e[1:] for e in _partial_grads(ctx, graph, units, sol, placed)],
                             bucketed=math.prod(ctx.mesh_shape[i] for i in data_dims) == 1),
         gather_forward_s=gather / (2 * m),
         gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen) + reduce_lat,
         grad_reduce_parts=ctx.grad_reductions,
         optimizer_s=optimizer_time(ctx.profile, sum(state) / state_bytes_per_param(ctx.optimizer).total,
-                                   ctx.optimizer, tensors=max(len(graph.graph["param_shapes"]), 1),
+                                   ctx.optimizer, tensors=max(round(sum(c.tensors for c in chosen)), 1),
                                    dtensor=math.prod(ctx.mesh_shape) > 1),  # executor.apply: DTensor params
         layers=max(graph.graph["layers"], 1), overlap_exposure=ctx.profile.overlap_exposure,
     )
@@ -257,7 +257,10 @@ def _gathered_estimate(ctx: Context, graph: nx.DiGraph, pp: int) -> float:
     """FSDP2's gathered units before the ILP has placed anything, as a tensor-parallel
     layout shards them (the ILP's memory is a sum over units, this a maximum over them,
     so it is held back from the ILP's budget); under pp the root's embedding and head are
-    on different stages, and each holds all its layers (``fsdp_gathered_bytes``)."""
+    on different stages, and each holds all its layers (``fsdp_gathered_bytes``).  The
+    ILP's memory is an average stage's (states / pp), so the root is averaged too: the
+    first and last stages hold about half of it each, which ``partition`` checks per
+    stage."""
     root, layer = unit_params(ctx, graph.graph["param_shapes"])
     return fsdp_gathered_bytes(root / pp, layer, ctx.optimizer, fsdp_degree(ctx),
                                stage_layers=math.ceil(graph.graph["layers"] / pp) if pp > 1 else 0)
@@ -293,7 +296,8 @@ def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dic
         if not pred.memory.fits and not lift_memory:  # the layout gathers more than estimated
             raise InfeasibleError(f"the layout needs {_bytes_text(pred.memory.total)} per device")
         return Candidate(ctx, units, sol, pred)
-    found = best_pipeline(ctx, graph, units, sol, pp, schedules, math.inf if lift_memory else None)
+    found = best_pipeline(ctx, graph, units, sol, pp, schedules, math.inf if lift_memory else None,
+                          _partial_grads(ctx, graph, units, sol, _placed(sol.choice.values())))
     if found is None:
         raise InfeasibleError(f"no split of {graph.graph['layers']} layers into {pp} stages fits")
     stages, schedule, virtual, b = found
@@ -515,10 +519,15 @@ def _boundary_shapes(graph: nx.DiGraph, key: str) -> tuple[tuple[int, ...], tupl
 
 
 def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
-    """Module boundaries where the layout is not plain data parallel (what apply reshards)."""
+    """Module boundaries where the layout is not plain data parallel (what apply reshards).
+
+    Batch rows split on a model dim (``B`` on tp: the layer runs as data parallel there)
+    are not plain: apply slices the batch on the data-parallel dims only, and a module
+    left out would run its whole micro-batch on every rank of that dim."""
     seq = cand.ctx.seq_len
     out: dict[str, ModuleLayout] = {}
-    plain = tuple("B" for _ in cand.ctx.mesh_shape)
+    model_dims = any(cand.ctx.mesh_shape[i] > 1 for i in cand.ctx.free_dims)
+    plain = None if model_dims else tuple("B" for _ in cand.ctx.mesh_shape)
     unit_of = {n: k for k, u in cand.units.items() for n in u.nodes}
     # in graph order: a module holding several products (Mixtral's experts: gate_up, then
     # down) takes its input from the first and its output from the last

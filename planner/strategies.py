@@ -38,8 +38,9 @@ import networkx as nx
 
 from cost_model.comm import collective_time
 from cost_model.compute import column_factor, fresh_pages_time, op_time
+from cost_model.memory import state_bytes_per_param
 from cost_model.profile import Profile
-from cost_model.step import fsdp_gathers, fsdp_host_time, fsdp_step_gathers
+from cost_model.step import fsdp_gathers, fsdp_host_time, fsdp_step_gathers, loss_mean_time
 from planner.schema import fqn_pattern
 from planner.tracer import layer_weight
 
@@ -133,6 +134,8 @@ class Choice:
     act_bytes: float = 0.0  # activations kept for backward, per device
     grad_sync_s: float = 0.0  # gradient all-reduce / reduce-scatter per step
     gather_s: float = 0.0  # one FSDP all-gather of its parameters (Unit.gathers of them per step)
+    tensors: float = 0.0  # parameter tensors it owns (the optimizer's per-tensor ops)
+    pending_grad_s: float = 0.0  # reducing its parameters' Partial gradients, per step (ILP only)
     comm_s: float = 0.0  # blocking collectives inside the choice per step (the vocab-parallel loss's)
 
 
@@ -334,9 +337,6 @@ def _param_state(ctx: Context, shape: Sequence[int], placements: Sequence[str]
     """((weight, grad, optimizer) bytes per device, gradient sync s, one FSDP gather s) of
     one parameter.  FSDP divides all three by its degree (ZeRO-3); the transient unsharded
     copy of the layer being computed is left to the profile's memory headroom."""
-    from cost_model.comm import collective_time
-    from cost_model.memory import state_bytes_per_param
-
     per = state_bytes_per_param(ctx.optimizer)
     numel = math.prod(shape)
     shards = math.prod(n for n, p in zip(ctx.mesh_shape, placements) if p.startswith("S("))
@@ -362,17 +362,24 @@ def _param_state(ctx: Context, shape: Sequence[int], placements: Sequence[str]
     return state, sync, gather
 
 
-def _free_dim_grad_sync(ctx: Context, shape: Sequence[int], placements: Sequence[str],
-                        per_dim_kind: dict[int, str]) -> float:
-    """Gradient all-reduce on free dims where the anchor splits the batch or sequence."""
-    from cost_model.comm import collective_time
-    from cost_model.memory import state_bytes_per_param
-
+def _pending_grad_s(ctx: Context, shape: Sequence[int], placements: Sequence[str],
+                    acts: Sequence[str]) -> float:
+    """Seconds per step reducing a parameter's gradient where it comes out Partial: on a
+    model dim the parameter is whole on and the activations it meets are split on (batch
+    rows, sequence: each rank sums its tokens' share), once per micro-batch, blocking, one
+    all-reduce and one DTensor redistribution each.  The ILP's linear price; the step time
+    prices the same reductions over the whole solution (``planner.search._partial_grads``,
+    ``cost_model.step.partial_grad_time``, which buckets them where the executor does)."""
     per = state_bytes_per_param(ctx.optimizer)
-    shards = math.prod(n for n, p in zip(ctx.mesh_shape, placements) if p.startswith("S("))
-    grad_bytes = math.prod(shape) / shards * per.grads
-    return sum(collective_time(ctx.profile, "all_reduce", grad_bytes, ctx.mesh_shape, i)
-               for i, k in per_dim_kind.items() if k in ("data", "seq"))
+    t = 0.0
+    for i in ctx.free_dims:
+        if ctx.mesh_shape[i] == 1 or placements[i] != "R" or acts[i] in ("R", "P"):
+            continue
+        shards = math.prod(n for j, (n, p) in enumerate(zip(ctx.mesh_shape, placements))
+                           if p.startswith("S(") and j != i)
+        t += (collective_time(ctx.profile, "all_reduce", math.prod(shape) / shards * per.grads, ctx.mesh_shape, i)
+              + ctx.profile.dtensor_redistribute_s)
+    return ctx.microbatches * t
 
 
 def _per_dim_options(ctx: Context, options: Sequence[str]) -> list[dict[int, str]]:
@@ -420,7 +427,7 @@ def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float,
             continue
         weights: dict[str, tuple[str, ...]] = {}
         state = (0.0, 0.0, 0.0)
-        sync = gather = 0.0
+        sync = gather = tensors = pending = 0.0
         ok = True
         for arg, fqn in d["params"].items():
             pshape = graph.graph["param_shapes"][fqn]
@@ -432,10 +439,12 @@ def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float,
             weights[fqn] = pl
             if fqn in shared:
                 continue
+            tensors += mult
             s, g_sync, g_gather = _param_state(ctx, pshape, pl)
             state = tuple(a + mult * b for a, b in zip(state, s))
             gather += mult * g_gather
-            sync += mult * (g_sync + _free_dim_grad_sync(ctx, pshape, pl, kinds))
+            sync += mult * g_sync
+            pending += mult * _pending_grad_s(ctx, pshape, pl, inp if len(pshape) > 1 else outl)
         if not ok:
             continue
         work = _shards(ctx, outl) * _shards(ctx, inp, "H") if op != "embedding" else _shards(ctx, outl)
@@ -445,7 +454,8 @@ def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float,
         act = _saved_bytes(ctx, [(d, mult)], layers) / max(_shards(ctx, outl), 1)
         compute, recompute = _compute_s(ctx, [(d, mult)], work, _shards(ctx, outl),
                                         _gemm_features(ctx, d, op, kinds))
-        out.append(Choice(name, outl, inp, compute, recompute, weights, state, act, sync, gather))
+        out.append(Choice(name, outl, inp, compute, recompute, weights, state, act, sync, gather, tensors=tensors,
+                          pending_grad_s=pending))
     return out
 
 
@@ -511,9 +521,12 @@ def segment_choices(ctx: Context, graph: nx.DiGraph, nodes: Sequence[str],
         name = "+".join(per_dim[i] for i in ctx.free_dims) or "B"
         comm = _vocab_parallel_loss_s(ctx, layout) if shorts & LOSS_OPS else 0.0
         compute, recompute = _compute_s(ctx, data, shards)
+        pending = sum(w * _pending_grad_s(ctx, graph.graph["param_shapes"][fqn], whole, layout)
+                      for fqn, w in owned.items())
         out.append(Choice(name, layout, layout, compute, recompute, weights=dict.fromkeys(owned, whole),
                           state=state, act_bytes=_saved_bytes(ctx, data, layers) / shards,
-                          grad_sync_s=sync, gather_s=gather, comm_s=comm))
+                          grad_sync_s=sync, gather_s=gather, tensors=sum(owned.values()),
+                          pending_grad_s=pending, comm_s=comm))
     return out
 
 
@@ -597,8 +610,6 @@ def _vocab_parallel_loss_s(ctx: Context, layout: Sequence[str]) -> float:
 def loss_mean_s(ctx: Context) -> float:
     """Seconds per micro-batch executor.data spends averaging the loss over the
     data-parallel dims (cost_model.step.loss_mean_time)."""
-    from cost_model.step import loss_mean_time
-
     data_dims = [i for i, name in enumerate(ctx.mesh_names) if name == "dp"]
     return loss_mean_time(ctx.profile, ctx.mesh_shape, data_dims)
 

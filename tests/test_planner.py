@@ -768,3 +768,57 @@ def test_model_states_count_every_parameter_once(tied: bool) -> None:
     pred = planner.estimate(config, devices=8, profile="h100-sxm-80g", dp=8, tp=1, batch_size=8, seq_len=128)
     assert pred.memory.parameters == 2 * params  # bf16 weights, replicated
     assert pred.memory.optimizer == 12 * params  # fp32 master, m and v
+
+
+def test_a_layer_split_by_batch_rows_on_a_model_dim_is_written_in_the_plan() -> None:
+    """On a forced pp4 x dp4 x tp4 mesh the planner may run Llama 3 8B's layers data
+    parallel on tp too (batch rows split, weights whole).  apply slices the batch on the
+    data-parallel dims only, so those layers must be listed with their tp layout: left
+    out (as they were), every tp rank would run its whole micro-batch, 4x the compute
+    and activations the plan predicts.  Whichever way the planner splits a layer on tp,
+    by weights or by rows, the plan must say so."""
+    plan = planner.plan("llama3-8b", 64, "h100-sxm-80g", batch_size=256, seq_len=4096,
+                        mesh={"pp": 4, "dp": 4, "tp": 4})
+    tp = plan.mesh.names.index("tp")
+    modules = {m.module: m for m in plan.modules}
+    weights = {p.fqn: p.placements[tp] for p in plan.parameters}
+    for proj in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj"):
+        layout = modules.get(f"model.layers.*.{proj}")
+        split_rows = layout is not None and layout.input is not None and layout.input[tp] != "R"
+        assert split_rows or weights[f"model.layers.*.{proj}.weight"] != "R", proj
+
+
+def test_gradients_left_partial_by_split_activations_are_priced_once() -> None:
+    """A weight whole on tp that meets activations split on tp (batch rows, ``data``;
+    a norm under sequence parallelism) has a Partial gradient there, which the executor
+    reduces after each backward: the step time prices it (``_partial_grads``) and the
+    ILP sees it (``pending_grad_s``), not again as data-parallel sync (it was both, and
+    the ILP missed the norms')."""
+    from cost_model.profile import load_profile
+    from planner.search import _context
+    from planner.strategies import build_units
+    from planner.tracer import trace
+
+    graph = trace(PRESETS["llama-tiny"], 1, 64)
+    ctx = _context(load_profile("h100-sxm-80g"), ("dp", "tp"), (2, 2), 8, 64, 2, False, "none", 2)
+    units, _ = build_units(ctx, graph)
+    (q,) = [u for u in units.values() if u.module.endswith("layers.0.self_attn.q_proj")]
+    by_name = {c.name: c for c in q.choices}
+    assert by_name["rep"].grad_sync_s > 0  # dp's all-reduce
+    assert by_name["data"].grad_sync_s == pytest.approx(by_name["rep"].grad_sync_s)
+    assert by_name["rep"].pending_grad_s == 0 < by_name["data"].pending_grad_s
+    (norm,) = [u for u in units.values() if u.kind == "segment" and any(
+        graph.nodes[n]["module"].endswith("layers.0.input_layernorm") for n in u.nodes)]
+    by_layout = {c.out[1]: c for c in norm.choices}
+    assert by_layout["R"].pending_grad_s == 0 < by_layout["Q"].pending_grad_s  # SP's norm
+
+
+def test_a_pipeline_stage_prices_its_optimizer_step_as_the_whole_model_does() -> None:
+    """AdamW's step is dispatch-bound per parameter tensor (and DTensor's where the
+    parameters are DTensors): a pipeline stage's is priced over its own tensors like the
+    whole model's, so each of 2 stages costs about half (it was priced as one tensor,
+    0.12x, which made pipelines look cheap next to the layouts without one)."""
+    kwargs = {"profile": "cpu-gloo-local", "dp": 1, "tp": 1, "batch_size": 4, "seq_len": 16, "microbatches": 2}
+    one = planner.estimate("llama-tiny", devices=1, **kwargs)
+    two = planner.estimate("llama-tiny", devices=2, pp=2, **kwargs)
+    assert 0.4 < two.time.optimizer_s / one.time.optimizer_s < 0.65
