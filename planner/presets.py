@@ -169,6 +169,18 @@ def _check(data: dict[str, Any]) -> None:
         raise ConfigError(f"num_experts_per_tok: {routed} exceeds num_local_experts {experts}")
     _check_activation(data, "activation_function" if model_type == "gpt2" else "hidden_act")
     _check_rope(data)
+    _check_dtype(data)
+
+
+def _check_dtype(data: dict[str, Any]) -> None:
+    """transformers looks a dtype name up as an attribute of ``torch`` (an AttributeError
+    for a name that is not there; ``"Tensor"`` or a number pass through unchecked)."""
+    for key in ("torch_dtype", "dtype"):
+        value = data.get(key)
+        if value is not None and not (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)
+                                      and getattr(torch, value).is_floating_point):
+            raise ConfigError(f"{key}: expected a floating-point torch dtype name such as \"bfloat16\" or "
+                              f"\"float32\", got {value!r}")
 
 
 def _check_activation(data: dict[str, Any], key: str) -> None:

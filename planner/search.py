@@ -773,7 +773,9 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
     given_schedule, schedule = schedule, schedule or "1f1b"
     if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
         raise PlanningError(f"schedule: expected gpipe, 1f1b or interleaved-1f1b, got {schedule!r}")
-    if virtual_stages < 1 or (virtual_stages > 1 and schedule != "interleaved-1f1b"):
+    if virtual_stages < 1:
+        raise PlanningError(f"virtual_stages: must be >= 1, got {virtual_stages}")
+    if virtual_stages > 1 and schedule != "interleaved-1f1b":
         raise PlanningError(f"virtual_stages: {virtual_stages} needs schedule interleaved-1f1b")
     if virtual_stages > 1 and pp == 1:
         raise PlanningError(f"virtual_stages: {virtual_stages} needs a pipeline (pp > 1)")
@@ -799,6 +801,9 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
     divisor = _feature_divisor(graph, config) if config is not None else 1
     if tp > 1 and divisor % tp:
         raise PlanningError(f"tp: {tp} does not divide {_heads_text(config)}")
+    if sp and seq % tp:
+        raise PlanningError(f"seq_len: {seq} is not divisible by tp={tp}; sequence parallelism splits "
+                            "each sequence over the tensor-parallel ranks")
     if pp > graph.graph["layers"]:
         raise PlanningError(f"pp: {pp} exceeds the model's {graph.graph['layers']} layers")
     if pp > 1 and (why := schedule_blocker(graph.graph["layers"], pp, microbatches, schedule, virtual_stages)):

@@ -139,10 +139,19 @@ def _check_output(args: argparse.Namespace) -> None:
         raise UserError("-o: empty path")
     if path.is_dir():
         raise UserError(f"-o: {path} is a directory")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise UserError(f"-o: {path.parent} is not a directory")
     if not path.parent.is_dir():
         raise UserError(f"-o: directory {path.parent} does not exist")
-    if not os.access(path if path.exists() else path.parent, os.W_OK):
-        raise UserError(f"-o: cannot write {path}: permission denied")
+    # open it: permission bits say nothing for root, or on /proc and read-only mounts
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as e:
+        raise UserError(f"-o: cannot write {path}: {e.strerror}") from None
+    if not existed:
+        path.unlink()
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -238,7 +247,9 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     try:
         calibrate(output, progress=_progress)
     except OSError as e:
-        raise UserError(f"-o: cannot write {output}: {e.strerror}") from None
+        if e.filename is not None and Path(e.filename) == output:
+            raise UserError(f"-o: cannot write {output}: {e.strerror}") from None
+        raise UserError(f"calibrate: {e.strerror or e}") from None
 
 
 def cmd_schema(_args: argparse.Namespace) -> None:

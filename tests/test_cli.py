@@ -156,6 +156,10 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["plan", *TINY, "-o", ""], "-o: empty path"),
     (["plan", *TINY, "-o", "{dir}"], "is a directory"),
     (["calibrate", "-o", "{dir}"], "is a directory"),
+    # calibrate measures for minutes before it writes: a path no one can create is refused
+    # first, whatever its permission bits say (root may "write" /proc), and a file is no directory
+    (["calibrate", "-o", "/proc/meshplan-test.json"], "-o: cannot write /proc/meshplan-test.json"),
+    (["calibrate", "-o", "{notjson}/p.json"], "notjson.json is not a directory"),
     # the profile is named after the file: under a shipped name every later use refuses it
     (["calibrate", "-o", "{shippedname}"], "would name the profile 'cpu-gloo-local', a shipped profile's name"),
     (["plan", *TINY, "--profile", "{badprofile}"],
@@ -168,6 +172,8 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["estimate", *TINY, "--dp", "1", "--tp", "2", "--fsdp"], "fsdp: shards over the data-parallel dim, and dp is 1"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--sp"], "sp: shards the sequence over the tensor-parallel dim"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "gpipe"], "schedule: gpipe needs a pipeline (pp > 1)"),
+    # blamed the model ("sequence parallelism is not available for this model")
+    (["estimate", *TINY, "--dp", "1", "--tp", "2", "--sp", "--seq-len", "15"], "seq_len: 15 is not divisible by tp=2"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"],
      "virtual_stages: 2 needs a pipeline (pp > 1)"),
     (["serve", "--port", "0", "--db", "{dir}"], "--db: "),

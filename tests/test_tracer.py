@@ -105,6 +105,10 @@ LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
         ({**LLAMA, "rope_parameters": {"rope_type": "nonsense"}}, "rope_parameters.rope_type",
          "unknown RoPE type 'nonsense' (supported: default, "),
         ({**LLAMA, "rope_scaling": {"type": "nonsense"}}, "rope_scaling.type", "unknown RoPE type"),
+        # an AttributeError of torch's (HTTP 500 until session 18), or passed through unchecked
+        ({**LLAMA, "torch_dtype": "float8"}, "torch_dtype", "got 'float8'"),
+        ({**LLAMA, "dtype": "Tensor"}, "dtype", "floating-point torch dtype"),
+        ({**GPT2, "torch_dtype": 5}, "torch_dtype", "got 5"),
         ({**LLAMA, "rope_scaling": {"rope_type": "llama3"}}, "rope_scaling", "Missing required keys"),
         ({**LLAMA, "head_dim": 7}, "head_dim", "RoPE requires an even rotary dimension"),
         # accepted before, and the plan silently used the default sequence length
