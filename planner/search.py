@@ -663,7 +663,19 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
     say(f"best: {'x'.join(f'{n}={s}' for n, s in zip(best.ctx.mesh_names, best.ctx.mesh_shape))}"
         f"{f' pp={best.pp} ' + best.schedule if best.pp > 1 else ''}, "
         f"{best.prediction.time.step_time_s * 1e3:.1f} ms/step ({total:.1f}s)")
+    for name in _idle_dims(best):
+        say(f"note: {name} splits nothing in this plan: every one of its ranks runs the same work (on "
+            f"{prof.name} no split of this model paid for its communication); fewer devices would do as well")
     return _assemble(model, graph, prof, devices, best, found.alternatives, total)
+
+
+def _idle_dims(cand: Candidate) -> list[str]:
+    """Model dims on which no parameter and no activation of the solution is split."""
+    ctx = cand.ctx
+    return [f"{name}={size}" for i, (name, size) in enumerate(zip(ctx.mesh_names, ctx.mesh_shape))
+            if i in ctx.free_dims and size > 1 and all(
+                c.out[i] == "R" and c.inp[i] == "R" and all(pl[i] == "R" for pl in c.weights.values())
+                for c in cand.solution.choice.values())]
 
 
 def _nothing_fits(model: Any, devices: int, prof: Profile, meshes: int, found: Searched) -> str:

@@ -822,3 +822,15 @@ def test_a_pipeline_stage_prices_its_optimizer_step_as_the_whole_model_does() ->
     one = planner.estimate("llama-tiny", devices=1, **kwargs)
     two = planner.estimate("llama-tiny", devices=2, pp=2, **kwargs)
     assert 0.4 < two.time.optimizer_s / one.time.optimizer_s < 0.65
+
+
+def test_a_model_dim_that_splits_nothing_is_pointed_out() -> None:
+    """A tiny model on this CPU profile: no split pays for its gloo collectives, so the
+    planner keeps everything whole on tp and every tp rank repeats the same work; the
+    plan is right by its cost model, and the progress output says what it means."""
+    said: list[str] = []
+    planner.plan("gpt2-tiny", 2, "cpu-gloo-local", progress=said.append)
+    assert any(m.startswith("note: tp=2 splits nothing") for m in said), said
+    said.clear()
+    planner.plan("llama-tiny", 2, "h100-sxm-80g", batch_size=8, seq_len=64, mesh={"dp": 2}, progress=said.append)
+    assert not any(m.startswith("note:") for m in said), said
