@@ -174,11 +174,12 @@ def _check(data: dict[str, Any]) -> None:
 
 def _check_dtype(data: dict[str, Any]) -> None:
     """transformers looks a dtype name up as an attribute of ``torch`` (an AttributeError
-    for a name that is not there; ``"Tensor"`` or a number pass through unchecked)."""
+    for a name that is not there; ``"Tensor"`` or a number pass through unchecked); a
+    dict from Python may hold the ``torch.dtype`` itself."""
     for key in ("torch_dtype", "dtype"):
         value = data.get(key)
-        if value is not None and not (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)
-                                      and getattr(torch, value).is_floating_point):
+        dtype = getattr(torch, value, None) if isinstance(value, str) else value
+        if value is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ConfigError(f"{key}: expected a floating-point torch dtype name such as \"bfloat16\" or "
                               f"\"float32\", got {value!r}")
 

@@ -143,14 +143,23 @@ def _check_output(args: argparse.Namespace) -> None:
         raise UserError(f"-o: {path.parent} is not a directory")
     if not path.parent.is_dir():
         raise UserError(f"-o: directory {path.parent} does not exist")
-    # open it: permission bits say nothing for root, or on /proc and read-only mounts
-    existed = path.exists()
+    # create it: permission bits say nothing for root, or on /proc and read-only mounts
     try:
-        with path.open("a"):
-            pass
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:  # a file, or a link: left as it is
+        target = path.resolve()
+        try:
+            if target.is_file():
+                with target.open("a"):
+                    pass
+            elif not os.access(target.parent, os.W_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as e:
+            raise UserError(f"-o: cannot write {path}: {e.strerror}") from None
     except OSError as e:
         raise UserError(f"-o: cannot write {path}: {e.strerror}") from None
-    if not existed:
+    else:
+        os.close(fd)
         path.unlink()
 
 

@@ -303,3 +303,18 @@ def test_console_script_stdout_holds_only_the_plan() -> None:
     assert run.returncode == 0, run.stderr
     plan = Plan.from_json(run.stdout)
     assert plan.model == "llama-tiny"
+
+
+def test_the_output_check_leaves_links_and_files_as_they_are(tmp_path: Path) -> None:
+    """``-o`` is created and removed to check it before minutes of calibration: a
+    dangling link stays a link (its target is not made), an existing file keeps its text."""
+    import argparse
+
+    from service.cli import _check_output
+
+    (tmp_path / "link.json").symlink_to(tmp_path / "target.json")
+    (tmp_path / "kept.json").write_text("kept")
+    for name in ("link.json", "kept.json", "new.json"):
+        _check_output(argparse.Namespace(output=str(tmp_path / name)))
+    assert (tmp_path / "link.json").is_symlink() and not (tmp_path / "target.json").exists()
+    assert (tmp_path / "kept.json").read_text() == "kept" and not (tmp_path / "new.json").exists()

@@ -171,3 +171,12 @@ def test_trace_defaults_seq_len_as_plan_does():
     4096, as plan / estimate / the service default (was a fixed 2048, over llama-tiny's 128)."""
     g = trace("llama-tiny")
     assert g.graph["seq_len"] == load_config("llama-tiny").max_position_embeddings == 128
+
+
+def test_a_config_dict_may_hold_the_torch_dtype_itself() -> None:
+    import torch
+
+    for key in ("torch_dtype", "dtype"):
+        assert load_config({**LLAMA, key: torch.bfloat16}).model_type == "llama"
+    with pytest.raises(ConfigError, match="^dtype: "):
+        load_config({**LLAMA, "dtype": torch.int64})
