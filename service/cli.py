@@ -185,10 +185,12 @@ def cmd_estimate(args: argparse.Namespace) -> None:
                     virtual_stages=args.virtual_stages, batch_size=batch, seq_len=seq,
                     require_fit=False)  # a layout that does not fit is reported, fits false
     if args.json:
-        print(json.dumps(estimate_json(pred), indent=2))
+        print(json.dumps({"batch_size": batch, "seq_len": seq, **estimate_json(pred)}, indent=2))
     else:
         from service.terminal import render_prediction
 
+        print(f"{args.model} on {args.devices} x {args.profile}: batch {batch} x seq {seq}, "
+              f"{args.microbatches} micro-batch(es)")
         print(render_prediction(pred))
 
 

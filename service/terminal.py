@@ -28,8 +28,14 @@ def seconds(s: float | None) -> str:
     return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.2f} ms"
 
 
-def gib(b: int | None) -> str:
-    return "-" if b is None else f"{b / GIB:.2f} GiB"
+def nbytes(b: int | None) -> str:
+    """In the largest binary unit it reaches (a tiny model's states read 0.00 GiB)."""
+    if b is None:
+        return "-"
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b} B"
 
 
 def _is_embedding(fqn: str) -> bool:
@@ -69,8 +75,8 @@ def _local_shape(plan: Plan, shape: list[int] | None, placements: list[str]) -> 
 def render_prediction(pred: Prediction) -> str:
     t, m = pred.time, pred.memory
     head = (f"step time {seconds(t.step_time_s)}   tokens/s/device {pred.tokens_per_s_per_device:,.0f}"
-            f"   MFU {pred.mfu * 100:.1f}%   memory {gib(m.total)} of {gib(m.capacity)}"
-            + (f" ({gib(m.usable)} usable)" if m.usable is not None else "")
+            f"   MFU {pred.mfu * 100:.1f}%   memory {nbytes(m.total)} of {nbytes(m.capacity)}"
+            + (f" ({nbytes(m.usable)} usable)" if m.usable is not None else "")
             + f"   {'fits' if m.fits else 'DOES NOT FIT'}")
     times = table(["time", "seconds"], [
         ("compute", seconds(t.compute_s)), ("  of it recomputation", seconds(t.recompute_s)),
@@ -79,10 +85,10 @@ def render_prediction(pred: Prediction) -> str:
         ("resharding", seconds(t.resharding_s)), ("pipeline bubble", seconds(t.pipeline_bubble_s)),
         ("optimizer", seconds(t.optimizer_s)), ("step", seconds(t.step_time_s))])
     memory = table(["memory per device", "bytes"], [
-        ("parameters", gib(m.parameters)), ("gradients", gib(m.gradients)),
-        ("optimizer", gib(m.optimizer)), ("activations", gib(m.activations)),
-        ("FSDP2 gathered", gib(m.fsdp_gathered)), ("total", gib(m.total)), ("capacity", gib(m.capacity)),
-        *([("usable (capacity less headroom)", gib(m.usable))] if m.usable is not None else [])])
+        ("parameters", nbytes(m.parameters)), ("gradients", nbytes(m.gradients)),
+        ("optimizer", nbytes(m.optimizer)), ("activations", nbytes(m.activations)),
+        ("FSDP2 gathered", nbytes(m.fsdp_gathered)), ("total", nbytes(m.total)), ("capacity", nbytes(m.capacity)),
+        *([("usable (capacity less headroom)", nbytes(m.usable))] if m.usable is not None else [])])
     return "\n\n".join([head, times, memory])
 
 
@@ -128,6 +134,6 @@ def render_plan(plan: Plan) -> str:
     if s.alternatives:
         out.append(table(["", "alternative mesh", "step time", "peak memory", "fits", "note"], [
             ("*" if a.mesh == chosen and a.step_time_s == plan.prediction.time.step_time_s else "", " x ".join(f"{k}={v}" for k, v in a.mesh.items()),
-             seconds(a.step_time_s), gib(a.peak_memory_bytes), "yes" if a.fits else "no", a.note)
+             seconds(a.step_time_s), nbytes(a.peak_memory_bytes), "yes" if a.fits else "no", a.note)
             for a in s.alternatives]))
     return "\n\n".join(out)

@@ -86,15 +86,20 @@ def test_estimate_reports_a_layout_that_does_not_fit(tmp_path: Path,
     # what fits is measured against: the capacity less the planner's 10% headroom (a total
     # of 75 GiB "of 80 GiB" that did not fit read as a contradiction without it)
     assert out["breakdown"]["memory"]["usable"] == 90_000
+    assert out["batch_size"] == 2 and out["seq_len"] == 128
     assert main(argv) == 0
-    head = capsys.readouterr().out.splitlines()[0]
-    assert "of 0.00 GiB (0.00 GiB usable)   DOES NOT FIT" in head, head
+    head = capsys.readouterr().out.splitlines()[1]
+    assert "of 97.66 KiB (87.89 KiB usable)   DOES NOT FIT" in head, head  # read "of 0.00 GiB" before
 
 
 def test_estimate_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", *TINY, "--dp", "1", "--tp", "2", "--sp"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("step time ") and "activations" in out and "exposed" in out
+    workload, head = out.splitlines()[:2]
+    # the workload the defaults or flags chose (it was not shown)
+    assert workload == f"llama-tiny on 2 x {PROFILE}: batch 4 x seq 32, 1 micro-batch(es)"
+    assert head.startswith("step time ") and "activations" in out and "exposed" in out
+    assert re.search(r"memory \d+\.\d\d KiB of 80\.00 GiB", head)  # a tiny model's memory read 0.00 GiB
 
 
 def test_schema_prints_the_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
