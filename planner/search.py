@@ -19,7 +19,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
@@ -657,6 +657,8 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
         f"searching {len(meshes)} mesh shape(s)")
     found = _search(graph, prof, devices, batch, seq, meshes, divisor, time_limit_s, say, pins=pins)
     best = found.best
+    if best is None and pins is not None and pins.emptied:
+        raise PlanningError(f"{sorted(pins.emptied)[0]} on any mesh tried")
     if best is None or not best.prediction.memory.fits:
         raise PlanningError(_nothing_fits(model, devices, prof, len(meshes), found))
     total = time.perf_counter() - t0
@@ -737,8 +739,26 @@ def _assemble(model: Any, graph: nx.DiGraph, prof: Profile, devices: int, best: 
     )
 
 
-def _constraint_pins(constraints: Sequence[Mapping[str, Any]] | None) -> Callable[[Unit], None] | None:
-    """User pins: ``{"param": pattern, "placements": [...]}`` keeps only matching choices."""
+@dataclass
+class _Pins:
+    """User pins: ``{"param": pattern, "placements": [...]}`` keeps only matching choices;
+    ``emptied`` says which pin left a unit no choice (its mesh is then skipped)."""
+
+    rules: list[tuple[str, tuple[str, ...]]]
+    emptied: set[str] = field(default_factory=set)
+
+    def __call__(self, unit: Unit) -> None:
+        for i, (pattern, placements) in enumerate(self.rules):
+            keep = [ch for ch in unit.choices
+                    if all(pl == placements for f, pl in ch.weights.items() if pattern_matches(pattern, f)
+                           or pattern_matches(pattern, fqn_pattern(f)))]
+            if unit.choices and not keep:
+                self.emptied.add(f"constraints.{i}: no placement of {unit.module or unit.key} takes "
+                                 f"{pattern} as {list(placements)}")
+            unit.choices = keep
+
+
+def _constraint_pins(constraints: Sequence[Mapping[str, Any]] | None) -> _Pins | None:
     if not constraints:
         return None
     rules = []
@@ -746,14 +766,7 @@ def _constraint_pins(constraints: Sequence[Mapping[str, Any]] | None) -> Callabl
         if not isinstance(c, Mapping) or set(c) != {"param", "placements"}:
             raise PlanningError(f"constraints.{i}: expected {{'param': pattern, 'placements': [...]}}")
         rules.append((str(c["param"]), tuple(c["placements"])))
-
-    def pin(unit: Unit) -> None:
-        for pattern, placements in rules:
-            keep = [ch for ch in unit.choices
-                    if all(pl == placements for f, pl in ch.weights.items() if pattern_matches(pattern, f)
-                           or pattern_matches(pattern, fqn_pattern(f)))]
-            unit.choices = keep
-    return pin
+    return _Pins(rules)
 
 
 def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 1, tp: int = 1,

@@ -322,6 +322,12 @@ def test_bad_requests():
         planner.plan("llama-tiny", 2, "tpu-v9")
     with pytest.raises(planner.PlanningError, match="^constraints.0"):
         planner.plan("llama-tiny", 2, "h100-sxm-80g", constraints=[{"oops": 1}])
+    # a pin no choice takes (a norm weight split on tp) skips every mesh: said so, not "no layout fits"
+    with pytest.raises(planner.PlanningError, match=r"^constraints.1: no placement of model.norm takes "
+                                                    r"model.norm.weight as \['R', 'S\(0\)'\] on any mesh tried"):
+        planner.plan("llama-tiny", 4, "h100-sxm-80g", batch_size=8, seq_len=64, mesh={"dp": 2, "tp": 2},
+                     constraints=[{"param": "lm_head.weight", "placements": ["R", "R"]},
+                                  {"param": "model.norm.weight", "placements": ["R", "S(0)"]}])
     with pytest.raises(planner.PlanningError, match="^mesh: expected a mapping of dim name to size"):
         planner.plan("llama-tiny", 2, "h100-sxm-80g", mesh="dp=2")
     for limit in (-1, 0, math.nan, math.inf):
