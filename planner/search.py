@@ -812,12 +812,12 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
         raise PlanningError("sp: shards the sequence over the tensor-parallel dim, and tp is 1")
     if pp < 1 or dp < 1 or tp < 1:
         raise PlanningError(f"pp, dp, tp: must be >= 1, got pp={pp} dp={dp} tp={tp}")
+    if dp * tp * pp != devices:
+        raise PlanningError(f"devices: dp*tp*pp = {dp * tp * pp}, but devices={devices}")
     if pp > 1 and microbatches < pp:
         raise PlanningError(f"microbatches: {microbatches} < pp={pp} leaves pipeline stages idle")
     if checkpointing not in ("none", "selective", "full"):
         raise PlanningError(f"checkpointing: expected none, selective or full, got {checkpointing!r}")
-    if dp * tp * pp != devices:
-        raise PlanningError(f"devices: dp*tp*pp = {dp * tp * pp}, but devices={devices}")
     if microbatches < 1:
         raise PlanningError(f"microbatches: must be >= 1, got {microbatches}")
     graph, prof, batch, seq, config = _resolve(model, devices, profile, batch_size, seq_len)

@@ -244,7 +244,10 @@ def cmd_profiles(_args: argparse.Namespace) -> None:
     print(f"{'name':24} {'device':6} {'memory':>9}  {'peak':20}  network (devices @ all-reduce busbw)")
     for name in shipped():
         prof = load(name)
-        dtype = "bf16" if "bf16" in prof.peak_flops else max(prof.peak_flops, key=prof.peak_flops.get)
+        # the peak plans are priced at: fp32 on CPUs, bf16 on GPUs (planner.search._training_dtype)
+        dtype = "fp32" if prof.device_type == "cpu" else "bf16"
+        if dtype not in prof.peak_flops:
+            dtype = max(prof.peak_flops, key=prof.peak_flops.get)
         peak = prof.peak_flops[dtype]
         levels = ", ".join(f"{lv.name} {lv.devices or 'any'} @ {lv.busbw.all_reduce / 1e9:.3g} GB/s"
                            for lv in prof.levels)

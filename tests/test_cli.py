@@ -115,6 +115,8 @@ def test_profiles_lists_the_shipped_ones(capsys: pytest.CaptureFixture[str]) -> 
     assert header.split()[:4] == ["name", "device", "memory", "peak"]
     assert [row.split()[0] for row in rows] == shipped_profiles()
     assert all(len(row) < 160 for row in rows), "one short line per profile"
+    # the peak plans are priced at: fp32 on the CPU (it showed the bf16 peak, 2.3x)
+    assert all(("fp32" in row) == (row.split()[1] == "cpu") for row in rows), rows
 
 
 def test_parse_mesh() -> None:
@@ -177,6 +179,8 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["estimate", *TINY, "--dp", "1", "--tp", "2", "--fsdp"], "fsdp: shards over the data-parallel dim, and dp is 1"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--sp"], "sp: shards the sequence over the tensor-parallel dim"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "gpipe"], "schedule: gpipe needs a pipeline (pp > 1)"),
+    # the mesh's size first (it said "microbatches: 1 < pp=64")
+    (["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "64"], "devices: dp*tp*pp = 64, but devices=2"),
     # blamed the model ("sequence parallelism is not available for this model")
     (["estimate", *TINY, "--dp", "1", "--tp", "2", "--sp", "--seq-len", "15"], "seq_len: 15 is not divisible by tp=2"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"],
