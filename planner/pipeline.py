@@ -36,7 +36,7 @@ from cost_model.step import (
     partial_grad_time,
 )
 from planner.ilp import Solution
-from planner.strategies import Context, Unit, fsdp_degree, fsdp_host_s, loss_mean_s
+from planner.strategies import Context, Unit, fsdp_degree, fsdp_host_s, layer_index, loss_mean_s
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def split_partials(graph: nx.DiGraph, partial: Sequence[tuple[str, str, float, i
     before the layers run on the first stage, those after them on the last."""
     first_nodes = _first_nodes(graph)
     before = {f for n in first_nodes for f in graph.nodes[n].get("params", {}).values()}
-    indexed = {fqn: next((int(p) for p in fqn.split(".") if p.isdigit()), None) for fqn, *_ in partial}
+    indexed = {fqn: layer_index(fqn) for fqn, *_ in partial}
     lowest = min((i for i in indexed.values() if i is not None), default=None)
     out: Partials = ([], [], [])
     for fqn, *entry in partial:
@@ -189,9 +189,7 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
     part = layer * n + (first if index == 0 else Part()) + (last if index == pp - 1 else Part())
     # the stage's gradients left Partial, reduced after each backward as without a pipeline
     pending = partials[0] * n + (partials[1] if index == 0 else []) + (partials[2] if index == pp - 1 else [])
-    data = [i for i, d in enumerate(ctx.mesh_names) if d == "dp"]
-    partial_s = partial_grad_time(ctx.profile, ctx.mesh_shape, pending,
-                                  bucketed=math.prod(ctx.mesh_shape[i] for i in data) == 1)
+    partial_s = partial_grad_time(ctx.profile, ctx.mesh_shape, pending, bucketed=ctx.data_ranks == 1)
     per = state_bytes_per_param(ctx.optimizer)
     compute = part.compute_s + fsdp_host_s(ctx, n + 1, part.state_bytes * per.weights / per.total) / ctx.microbatches
     fwd = (compute - part.recompute_s) / 3  # backward = 2x forward, plus the recompute
@@ -202,7 +200,7 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
     # virtual stage's last block keeps its parameters (cost_model.step.fsdp_gathers)
     m, kept = ctx.microbatches, min(virtual, n)
     gathers = fsdp_step_gathers(m, True, n, kept)
-    gather_lat, reduce_lat = bucket_latency(ctx.profile, ctx.mesh_shape, data, "dp" in ctx.fsdp,
+    gather_lat, reduce_lat = bucket_latency(ctx.profile, ctx.mesh_shape, ctx.data_dims, "dp" in ctx.fsdp,
                                             gathers=gathers, reductions=n + 1)
     root_gather = part.gather_s - n * layer.gather_s
     gather = ((gathers - fsdp_gathers(m, True, kept=True)) * layer.gather_s + root_gather + gather_lat) / m
@@ -271,8 +269,7 @@ def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last
 def p2p_time(ctx: Context, graph: nx.DiGraph, mesh_shape: tuple[int, ...]) -> float:
     """Send + receive of one micro-batch's activation and its gradient between stages."""
     hidden = next(d["shape"][-1] for _, d in graph.nodes(data=True) if d.get("short") == "embedding")
-    dp = math.prod(n for name, n in zip(ctx.mesh_names, ctx.mesh_shape, strict=True) if name == "dp")
-    nbytes = ctx.microbatch / dp * ctx.seq_len * hidden * ctx.act_itemsize
+    nbytes = ctx.microbatch / ctx.data_ranks * ctx.seq_len * hidden * ctx.act_itemsize
     return 2 * collective_time(ctx.profile, "send_recv", nbytes, mesh_shape, 0)
 
 

@@ -220,11 +220,10 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     placed = _placed(chosen)
     m = ctx.microbatches
     compute = sum(c.compute_s for c in chosen)
-    data_dims = [i for i, n in enumerate(ctx.mesh_names) if n == "dp"]
     # executor.apply: one FSDP2 unit per layer plus the root, each moving its parameters in one collective
     layers = graph.graph["layers"]
     gather_lat, reduce_lat = bucket_latency(
-        ctx.profile, ctx.mesh_shape, data_dims, "dp" in ctx.fsdp,
+        ctx.profile, ctx.mesh_shape, ctx.data_dims, "dp" in ctx.fsdp,
         gathers=fsdp_step_gathers(m, False, layers, kept_layers=min(layers, 1)),
         reductions=(layers + 1) * ctx.grad_reductions)
     gather = sum(c.gather_s * units[k].gathers for k, c in sol.choice.items()) + gather_lat
@@ -237,7 +236,7 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
         forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m, recompute_s=recompute / m,
         blocking_comm_s=(sol.reshard_s + sum(c.comm_s for c in chosen)) / m + loss_mean_s(ctx)
         + partial_grad_time(ctx.profile, ctx.mesh_shape, [e[1:] for e in _partial_grads(ctx, graph, units, sol, placed)],
-                            bucketed=math.prod(ctx.mesh_shape[i] for i in data_dims) == 1),
+                            bucketed=ctx.data_ranks == 1),
         gather_forward_s=gather / (2 * m),
         gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen) + reduce_lat,
         grad_reduce_parts=ctx.grad_reductions,

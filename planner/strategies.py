@@ -113,6 +113,15 @@ class Context:
         return self.act_itemsize / self.trace_itemsize
 
     @property
+    def data_dims(self) -> tuple[int, ...]:
+        return tuple(i for i, n in enumerate(self.mesh_names) if n == "dp")
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks the batch is split over (1 without data-parallel dims)."""
+        return math.prod(self.mesh_shape[i] for i in self.data_dims)
+
+    @property
     def free_dims(self) -> tuple[int, ...]:
         return tuple(i for i, n in enumerate(self.mesh_names) if n != "dp")
 
@@ -610,13 +619,18 @@ def _vocab_parallel_loss_s(ctx: Context, layout: Sequence[str]) -> float:
 def loss_mean_s(ctx: Context) -> float:
     """Seconds per micro-batch executor.data spends averaging the loss over the
     data-parallel dims (cost_model.step.loss_mean_time)."""
-    data_dims = [i for i, name in enumerate(ctx.mesh_names) if name == "dp"]
-    return loss_mean_time(ctx.profile, ctx.mesh_shape, data_dims)
+    return loss_mean_time(ctx.profile, ctx.mesh_shape, ctx.data_dims)
 
 
 def fsdp_degree(ctx: Context) -> int:
     """Ranks a fully sharded parameter is split over (1 without fully sharded dims)."""
     return math.prod(n for name, n in zip(ctx.mesh_names, ctx.mesh_shape) if name in ctx.fsdp)
+
+
+def layer_index(fqn: str) -> int | None:
+    """The repeated layer a parameter belongs to (``model.layers.3.mlp...`` -> 3; the first
+    number in its name), None for the root's."""
+    return next((int(part) for part in fqn.split(".") if part.isdigit()), None)
 
 
 def unit_params(ctx: Context, param_shapes: Mapping[str, Sequence[int]],
@@ -636,19 +650,18 @@ def unit_params(ctx: Context, param_shapes: Mapping[str, Sequence[int]],
         else:
             pl = placed.get(fqn_pattern(fqn), ("R",) * len(ctx.mesh_shape))
             local = numel / math.prod(ctx.mesh_shape[i] for i in ctx.free_dims if pl[i].startswith("S("))
-        parts = fqn.split(".")
-        at = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        at = layer_index(fqn)
         if at is None:
             root += local
         else:
-            layers[".".join(parts[:at + 1])] += local
+            layers[at] += local
     return root, max(layers.values(), default=0.0)
 
 
 def fsdp_host_s(ctx: Context, units: int, weight_bytes: float) -> float:
     """FSDP2's host time per step (cost_model.step.fsdp_host_time) for ``units`` units
     whose weights take ``weight_bytes`` per device at rest (1/degree of them under FSDP)."""
-    degree = math.prod(n for name, n in zip(ctx.mesh_names, ctx.mesh_shape) if name == "dp")
+    degree = ctx.data_ranks
     if degree == 1:
         return 0.0
     fsdp = "dp" in ctx.fsdp
