@@ -51,9 +51,10 @@ def main() -> None:
     model = executor.apply(plan, build_model(config, device="meta"))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     data = torch.Generator().manual_seed(args.seed)
+    device = next(model.parameters()).device  # the plan's: a GPU under a GPU profile
     rank = dist.get_rank() if dist.is_initialized() else 0
     for step in range(args.steps):
-        ids = torch.randint(0, config.vocab_size, (plan.batch_size, plan.seq_len), generator=data)
+        ids = torch.randint(0, config.vocab_size, (plan.batch_size, plan.seq_len), generator=data).to(device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()

@@ -90,7 +90,8 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     Runs under any initialised process group (``init_process_group``) whose world size
     is ``plan.devices``, or under ``torchrun`` (or another env:// launcher), whose group
     it initialises when the script has not; with no process group a 1-device plan returns the
-    model as the single-device reference.  ``mesh``: run on this device mesh instead of
+    model as the single-device reference (on the plan's CUDA device where there is one,
+    checkpointed and in micro-batches as the plan says).  ``mesh``: run on this device mesh instead of
     one built over the whole world (a job that already has one, or a subgroup: a mesh
     over torch's fake process group dry-runs the plan without communicating); its dim
     names and sizes must be the plan's.  Raises :class:`PlanError` listing every
@@ -127,7 +128,13 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
         parts = 1
     on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     if plan.devices == 1:
-        model = deferred_init.materialize(model) if on_meta else model
+        device = _one_device(plan)
+        if on_meta:
+            model = deferred_init.materialize(model, device=device)
+        elif device.type == "cuda":
+            model = model.to(device)
+        _checkpoint_activations(model, plan, None)
+        _register_root_hooks(model, None, False, plan.activation_checkpointing)
         if parts > 1:  # the model's call changes: a second apply would nest the parts
             setattr(model, _APPLIED, True)
             accumulate(model, parts, None)
@@ -310,6 +317,15 @@ def _build_mesh(plan: Plan, layout: _Layout) -> DeviceMesh:
         local = os.environ.get("LOCAL_RANK")
         torch.cuda.set_device(int(local) if local is not None else dist.get_rank() % torch.cuda.device_count())
     return init_device_mesh(device, tuple(shape), mesh_dim_names=tuple(names))
+
+
+def _one_device(plan: Plan) -> torch.device:
+    """Where a 1-device plan's model lives: the plan's CUDA device where this process has
+    CUDA (as an N-device plan's DTensors and FSDP2 units do), else the CPU, where a CUDA
+    plan still runs as the single-device reference."""
+    if plan.mesh.device_type == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _not_per_row(model: nn.Module) -> list[str]:
@@ -722,7 +738,8 @@ def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tens
         return outputs.single_device(out, single_device)
 
     model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-    model.register_forward_hook(post, with_kwargs=True, always_call=True)
+    if batch is not None or tensor_parallel:  # else the outputs are the single device's already
+        model.register_forward_hook(post, with_kwargs=True, always_call=True)
 
 
 # -- data parallel and activation checkpointing -------------------------------------------

@@ -151,7 +151,10 @@ class _Export:
 
 
 def _export(model: nn.Module, batch_size: int, seq_len: int) -> torch.export.ExportedProgram:
-    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    # the ids live where the weights do: torch 2.11's fake tensors refuse a CPU model's
+    # embedding of meta ids (2.13 lets the meta device win)
+    device = next((p.device for p in model.parameters()), torch.device("meta"))
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device=device)
     kwargs: dict[str, Any] = {"use_cache": False} if hasattr(model, "config") else {}
     if "labels" in inspect.signature(model.forward).parameters:
         kwargs["labels"] = ids  # training computes the loss: trace it too

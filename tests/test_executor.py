@@ -1194,3 +1194,28 @@ def test_micro_batches_of_a_model_whose_loss_is_the_loops_are_left_to_the_loop()
     with pytest.warns(UserWarning, match=r"^plan\.microbatches: 2 \(gradient accumulation\) is the loop's to do "
                                          r"for a model that is not a Hugging Face causal LM"):
         executor.apply(plan, model)
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_a_one_device_plan_checkpoints_as_it_says(checkpointing: str) -> None:
+    """A 1-device plan's memory assumes its checkpointing (the planner picks it to fit one
+    device as on many): apply recomputes the blocks, and the losses and gradients are the
+    plain model's."""
+    def step(ac: str) -> tuple[float, dict[str, torch.Tensor], int]:
+        executor.rng.manual_seed(SEED)
+        model = build(Case("llama", dropout=0.1))
+        plan = make_plan(model, {"dp": 1}, checkpointing=ac)
+        model = executor.apply(plan, model)
+        calls: list[int] = []
+        model.model.layers[0].mlp.act_fn.register_forward_hook(lambda m, a, o: calls.append(1))
+        ids = batches(Case("llama"))[0][0]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters()}, len(calls)
+
+    plain_loss, plain_grads, plain_calls = step("none")
+    loss, grads, calls = step(checkpointing)
+    assert (plain_calls, calls) == (1, 2)  # the block's forward runs again in backward
+    assert loss == plain_loss
+    for n, g in grads.items():
+        torch.testing.assert_close(g, plain_grads[n], rtol=1e-6, atol=1e-7, msg=n)
