@@ -35,9 +35,15 @@ class StateBytes:
 
 OPTIMIZERS: dict[str, StateBytes] = {
     # bf16 weights and grads, fp32 master weights + Adam m and v (ZeRO paper's 16 B/param);
-    # update: one fused kernel (Megatron/apex style) reads grad 2, reads + writes
-    # master, m, v 24 and writes the bf16 weight 2
-    "adam-mixed": StateBytes(2, 2, 12, 28, 1),
+    # update: torch.optim.AdamW as a loop constructs it, whose default on CUDA is the
+    # foreach path (torch/optim/adam.py _multi_tensor_adam) over the fp32 parameters the
+    # executor's runs hold (FSDP2's sharded fp32 master, or an fp32 model under autocast)
+    # and their fp32 gradients: the same 8 passes and 20 accesses x 4 B as the per-tensor
+    # path below.  Measured on an H100 (bench.gpu_step, docs/cost_model.md "On a GPU"):
+    # 57.7 ms for 1.92e9 parameters, 80 B each at 2.66 TB/s, where the copy ran at 2.95.
+    # A fused update (AdamW(fused=True), Megatron's, TorchTitan's default) moves 28 B in
+    # one kernel: read grad, read + write master, m and v.
+    "adam-mixed": StateBytes(2, 2, 12, 80, 8),
     # fp32 weights and grads, fp32 Adam m and v, updated by torch.optim.AdamW's
     # per-tensor path (the default on CPU, torch/optim/adam.py _single_tensor_adam):
     # step += 1, then 8 element-wise passes with their element reads + writes:

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from planner import ConfigError, trace
 from planner.presets import PRESETS, build_model, load_config
@@ -180,3 +181,37 @@ def test_a_config_dict_may_hold_the_torch_dtype_itself() -> None:
         assert load_config({**LLAMA, key: torch.bfloat16}).model_type == "llama"
     with pytest.raises(ConfigError, match="^dtype: "):
         load_config({**LLAMA, "dtype": torch.int64})
+
+
+def test_backward_bytes_follow_autograds_derivatives() -> None:
+    """Elementwise backwards by autograd's formulas (an H100 ran autograd's mul kernels at
+    2.3x the old charge, the forward's bytes), on the bf16 graph GPU plans price: a
+    product of two activations costs twice its forward, a broadcast weight's gradient a
+    full-size product and its sum, a value several ops read the adds of their gradients, a
+    same-shape add nothing of its own, and values that need no gradient (the rotary
+    tables) no backward at all."""
+    g = trace("llama-tiny", 2, 16, torch.bfloat16)
+    layer0 = [d for _, d in g.nodes(data=True) if d["kind"] == "call_function" and d["layer"] == 0]
+
+    def only(short: str, module: str) -> list[dict]:
+        return [d for d in layer0 if d["short"] == short and d["module"] == module]
+
+    act = 2 * 16 * 32 * 2  # a hidden-size bf16 activation
+    swiglu, = only("mul", "model.layers.0.mlp")
+    assert swiglu["bwd_bytes"] == 2 * swiglu["bytes"] == 2 * 3 * (2 * 16 * 64 * 2)
+    # weight * x: the weight's gradient (the output's gradient times x, then summed over
+    # tokens) and x's (times the weight); q, k and v read the result: two adds of gradients
+    norm = only("mul", "model.layers.0.input_layernorm")[-1]
+    assert norm["in_shapes"][0] == (32,)
+    w = 32 * 2
+    assert norm["bwd_bytes"] == (act + act + w + 2 * act) + (act + w + act) + 2 * 3 * act
+    # the residual stream: each add's gradient passes to both inputs; its output is read
+    # by the next norm and the next add, whose gradients one add sums
+    for residual in only("add", "model.layers.0"):
+        assert residual["bwd_bytes"] == 3 * act
+    # the norm's fp32 cast: its gradient cast back (read fp32, write bf16), and the two
+    # gradients it gets (variance and scaling) added
+    cast = only("to", "model.layers.0.input_layernorm")[0]
+    assert cast["copy"] and cast["bwd_bytes"] == (2 * act + act) + 3 * (2 * act)
+    rotary = [d for _, d in g.nodes(data=True) if d["kind"] == "call_function" and d["short"] in ("cos", "sin")]
+    assert rotary and all(d["bwd_bytes"] == d["bwd_flops"] == 0 < d["bytes"] for d in rotary)
