@@ -48,12 +48,16 @@ import torch.nn.functional as F
 import planner
 from cost_model.compute import gemm_efficiency, op_time, peak_flops
 from cost_model.profile import Profile, load_profile
+from executor import rng
 from planner.presets import PRESETS, build_model, load_config
 from planner.tracer import layer_weight
 
 WARMUP, REPEATS = 3, 10
 # (label, batch, seq): the same 8192 tokens, causal attention's share differs
 WORKLOADS = (("1 x 8192", 1, 8192), ("2 x 4096", 2, 4096))
+# attention dropout under executor.rng materialises each layer's probabilities: 4 x 2048
+# keeps them (fp32 under autocast, 2 GiB a layer) within the device beside the states
+DROPOUT_WORKLOAD = (4, 2048)
 
 
 def cuda_seconds(fn: Callable[[], object], warmup: int = WARMUP, repeats: int = REPEATS) -> float:
@@ -159,7 +163,7 @@ def llama_config(layers: int) -> dict[str, Any]:
 def _one_rank_group() -> None:
     """FSDP2 needs a process group; one rank of NCCL on this device."""
     if not dist.is_initialized():
-        store = dist.FileStore(tempfile.mktemp(prefix="meshplan-gpu-step-"), 1)
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="meshplan-gpu-step-"), "store"), 1)
         dist.init_process_group("nccl", store=store, rank=0, world_size=1)
 
 
@@ -179,11 +183,15 @@ def build(config: dict[str, Any], mode: str) -> torch.nn.Module:
 
 
 def measure_step(config: dict[str, Any], mode: str, batch: int, seq: int, fused: bool = False,
-                 profile_dir: Path | None = None) -> dict[str, Any]:
+                 profiled: bool = False, out: Path | None = None, consistent: bool = False) -> dict[str, Any]:
     """Median forward (with the loss), backward and AdamW seconds, and the peak memory;
-    ``fused``: AdamW's one-kernel update instead of torch's default (foreach) path."""
+    ``fused``: AdamW's one-kernel update instead of torch's default (foreach) path;
+    ``consistent``: the step draws from executor.rng (seeded after the model is built);
+    ``profiled``: two more steps under torch.profiler (``kernel_split``)."""
     torch.manual_seed(0)
     model = build(config, mode)
+    if consistent:
+        rng.manual_seed(1234)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
     ids = torch.randint(0, config["vocab_size"], (batch, seq), device="cuda")
     def cast() -> torch.autocast:
@@ -211,8 +219,9 @@ def measure_step(config: dict[str, Any], mode: str, batch: int, seq: int, fused:
     result = {"mode": mode + (", fused AdamW" if fused else ""), "batch": batch, "seq": seq, "fwd_s": fwd, "bwd_s": bwd, "opt_s": optim,
               "step_s": statistics.median(sum(p) for p in phases),
               "peak_bytes": torch.cuda.max_memory_allocated()}
-    if profile_dir is not None:
-        result["kernels"], result["ops"] = kernel_split(step, profile_dir, f"{mode}-{batch}x{seq}")
+    if profiled:
+        result["kernels"], result["ops"] = kernel_split(step, out, f"{mode}-{batch}x{seq}")
+    rng.deactivate()
     return result
 
 
@@ -233,13 +242,14 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def kernel_split(step: Callable[[], object], out: Path, label: str) -> tuple[dict[str, float], dict[str, float]]:
+def kernel_split(step: Callable[[], object], out: Path | None, label: str,
+                 ) -> tuple[dict[str, float], dict[str, float]]:
     """Two steps under torch.profiler: the first's CUDA kernels' seconds per kind (CUDA
     activity alone: with CPU activity the profiler also reports annotations such as
     ``Optimizer.step`` and ``FSDP::pre_forward`` as device time, which would count their
     kernels twice), the second's per aten op, the seconds of the kernels each launched
     itself (forward and backward ops apart, by their aten names); both tables in full
-    under ``out``."""
+    under ``out`` where given."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -261,7 +271,7 @@ def kernel_split(step: Callable[[], object], out: Path, label: str) -> tuple[dic
             kernels[f"{e.key} ({e.count} calls)"] = seconds(e, False)
     ops = {e.key: seconds(e, True) for e in profiled([ProfilerActivity.CPU, ProfilerActivity.CUDA])
            if e.key.startswith("aten::") and seconds(e, True)}
-    for name, table in (("kernels", kernels), ("ops", ops)):
+    for name, table in (("kernels", kernels), ("ops", ops)) if out is not None else ():
         (out / f"{name}-{label}.txt").write_text("\n".join(
             f"{s * 1e3:10.3f} ms  {key}" for key, s in sorted(table.items(), key=lambda o: -o[1])))
     return kinds, ops
@@ -301,24 +311,10 @@ def _err(measured: float, predicted: float) -> str:
     return f"{(predicted - measured) / measured * 100:+.0f}%"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", default="h100-sxm-80g", help="profile predicted (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=4,
-                        help="Llama 3 8B layers in the stepped model (default: %(default)s)")
-    parser.add_argument("--out", type=Path, help="write results.json and per-kernel tables here")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.gpu_step: needs a CUDA device")
-    profile = load_profile(args.profile)
-    out = args.out
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, profile {profile.name}: "
-          f"bf16 peak {peak_flops(profile, 'bf16') / 1e12:.0f} TFLOP/s")
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "profile": profile.name}
+SECTIONS = ("kernels", "step", "dropout")
 
+
+def kernel_section(profile: Profile, results: dict[str, Any]) -> None:
     results["gemm"] = gemms = measure_gemms(profile)
     print_table("bf16 GEMMs: measured against op_time (gemm_efficiency at the product's FLOPs)",
                 ["shape", "m x n x k", "TFLOP/s", "eff", "profile eff", "ms", "pred ms", "error"],
@@ -337,7 +333,9 @@ def main(argv: list[str] | None = None) -> None:
                   _ms(a["bwd_s"]), _ms(a["pred_bwd_s"]), _err(a["bwd_s"], a["pred_bwd_s"]),
                   f"{a['flops_fwd'] / a['fwd_s'] / 1e12:.0f}"] for a in attn])
 
-    config = llama_config(args.layers)
+
+def step_section(profile: Profile, layers: int, out: Path | None, results: dict[str, Any]) -> None:
+    config = llama_config(layers)
     steps, rows, splits, op_rows = [], [], [], []
     for w, (label, batch, seq) in enumerate(WORKLOADS):
         pred = planner.estimate(config, devices=1, profile=profile, batch_size=batch, seq_len=seq)
@@ -345,8 +343,8 @@ def main(argv: list[str] | None = None) -> None:
         split = {**predicted_split(predicted), "optimizer": pred.time.optimizer_s}
         runs = [("fsdp2-bf16", False), ("autocast", False)] + ([("autocast", True)] if w == 0 else [])
         for mode, fused in runs:
-            profiled = out if (w, mode, fused) == (0, "fsdp2-bf16", False) else None
-            r = measure_step(config, mode, batch, seq, fused, profiled)
+            profiled = (w, mode, fused) == (0, "fsdp2-bf16", False)
+            r = measure_step(config, mode, batch, seq, fused, profiled, out)
             gc.collect()  # FSDP2's hooks hold the model in reference cycles
             torch.cuda.empty_cache()
             r["predicted"] = pred.model_dump()
@@ -366,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
                 op_rows = [[*(m if m else ("", 0.0)), *(p if p else ("", 0.0))]
                            for m, p in itertools.zip_longest(measured_ops, predicted_top)]
     results["steps"] = steps
-    print_table(f"training step, Llama 3 8B with {args.layers} layers on one device: measured against "
+    print_table(f"training step, Llama 3 8B with {layers} layers on one device: measured against "
                 "planner.estimate (ms; memory GiB)",
                 ["tokens", "run", "fwd+bwd", "pred", "error", "AdamW", "pred", "error", "step", "pred",
                  "error", "peak", "pred"], rows)
@@ -375,10 +373,72 @@ def main(argv: list[str] | None = None) -> None:
     print_table(f"that step's aten ops (their own kernels, {WORKLOADS[0][0]}) beside the model's traced ops "
                 "(forward + backward)", ["aten op", "ms", "traced op", "predicted ms"],
                 [[m, _ms(ms), p, _ms(ps)] for m, ms, p, ps in op_rows])
+
+
+def dropout_section(layers: int, results: dict[str, Any]) -> None:
+    """What executor.rng's sharding-independent randomness costs here: one dropout over an
+    MLP activation (torch's kernel against executor.rng's compiled one), and the autocast
+    step with attention dropout 0.1, whose SDPA runs fused with torch's generator and as
+    explicit softmax, dropout and matmuls under executor.rng (docs/rng.md)."""
+    x = torch.ones(8192, 14336, device="cuda", dtype=torch.bfloat16)
+    rng.deactivate()
+    native = cuda_seconds(lambda: F.dropout(x, 0.1))
+    rng.manual_seed(1234)
+    ours = cuda_seconds(lambda: F.dropout(x, 0.1))
+    rng.deactivate()
+    config = {**llama_config(layers), "attention_dropout": 0.1}
+    batch, seq = DROPOUT_WORKLOAD
+    steps = {}
+    for consistent in (False, True):
+        steps[consistent] = measure_step(config, "autocast", batch, seq, consistent=consistent)
+        gc.collect()
+        torch.cuda.empty_cache()
+    results["dropout"] = {"op_native_s": native, "op_rng_s": ours,
+                          "step_native": steps[False], "step_rng": steps[True]}
+    print_table("executor.rng on this GPU: dropout 0.1 of an 8192 x 14336 bf16 activation, and the autocast "
+                f"step at {batch} x {seq} with attention dropout 0.1 (ms; memory GiB)",
+                ["", "torch's generator", "executor.rng", "ratio"],
+                [["dropout op", _ms(native), _ms(ours), f"{ours / native:.2f}"],
+                 *([what, _ms(steps[False][key]), _ms(steps[True][key]), f"{steps[True][key] / steps[False][key]:.2f}"]
+                   for what, key in (("forward", "fwd_s"), ("backward", "bwd_s"), ("step", "step_s"))),
+                 ["peak memory", f"{steps[False]['peak_bytes'] / 2**30:.1f}", f"{steps[True]['peak_bytes'] / 2**30:.1f}",
+                  f"{steps[True]['peak_bytes'] / steps[False]['peak_bytes']:.2f}"]])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="h100-sxm-80g", help="profile predicted (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=4,
+                        help="Llama 3 8B layers in the stepped model (default: %(default)s)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help="which of kernels, step, dropout to run (default: all)")
+    parser.add_argument("--out", type=Path, help="write gpu_step.json and the per-kernel and per-op tables here")
+    args = parser.parse_args(argv)
+    sections = args.sections.split(",")
+    if unknown := sorted(set(sections) - set(SECTIONS)):
+        parser.error(f"--sections: unknown {', '.join(unknown)}; expected some of {', '.join(SECTIONS)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.gpu_step: needs a CUDA device")
+    profile = load_profile(args.profile)
+    out = args.out
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, profile {profile.name}: "
+          f"bf16 peak {peak_flops(profile, 'bf16') / 1e12:.0f} TFLOP/s")
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "profile": profile.name}
+    if "kernels" in sections:
+        kernel_section(profile, results)
+    if "step" in sections:
+        step_section(profile, args.layers, out, results)
+    if "dropout" in sections:
+        dropout_section(args.layers, results)
     if out is not None:
         (out / "gpu_step.json").write_text(json.dumps(results, indent=1))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ class StateBytes:
     optimizer: float
     update_traffic: float = 0.0  # bytes read + written per parameter by optimizer.step()
     update_ops: int = 1  # eager ops optimizer.step() issues per parameter tensor
+    # the ops take every tensor at once (torch's foreach path: one dispatch per op, its
+    # kernels each covering many tensors), so there are update_ops of them per step
+    foreach: bool = False
 
     @property
     def total(self) -> float:
@@ -43,7 +46,7 @@ OPTIMIZERS: dict[str, StateBytes] = {
     # 57.7 ms for 1.92e9 parameters, 80 B each at 2.66 TB/s, where the copy ran at 2.95.
     # A fused update (AdamW(fused=True), Megatron's, TorchTitan's default) moves 28 B in
     # one kernel: read grad, read + write master, m and v.
-    "adam-mixed": StateBytes(2, 2, 12, 80, 8),
+    "adam-mixed": StateBytes(2, 2, 12, 80, 8, foreach=True),
     # fp32 weights and grads, fp32 Adam m and v, updated by torch.optim.AdamW's
     # per-tensor path (the default on CPU, torch/optim/adam.py _single_tensor_adam):
     # step += 1, then 8 element-wise passes with their element reads + writes:

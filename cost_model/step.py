@@ -175,15 +175,16 @@ def optimizer_time(
     (memory.OPTIMIZERS), each an eager op (``compute.op_time``) moving its share of
     the update's bytes: memory bound for big tensors, dispatch bound for the many
     small ones (norm weights, biases), and much more so when the parameters are
-    DTensors (``dtensor``), whose every op pays DTensor's host-side dispatch.
-    ``tensors`` is how many parameter tensors the device updates; each FSDP rank
-    updates only its shard of every tensor.
+    DTensors (``dtensor``), whose every op pays DTensor's host-side dispatch.  A foreach
+    update (``StateBytes.foreach``: torch's default on CUDA) issues each op once for all
+    tensors.  ``tensors`` is how many parameter tensors the device updates; each FSDP
+    rank updates only its shard of every tensor.
     """
     if tensors < 1:
         raise ValueError(f"tensors: must be >= 1, got {tensors}")
     per = state_bytes_per_param(optimizer)
     traffic = model_state_bytes(params, optimizer, shard_degree).update_traffic
-    ops = tensors * per.update_ops
+    ops = per.update_ops * (1 if per.foreach else tensors)
     return ops * op_time(profile, 0, traffic / ops, dtensor=dtensor)
 
 

@@ -133,10 +133,12 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
             model = deferred_init.materialize(model, device=device)
         elif device.type == "cuda":
             model = model.to(device)
+        # the model's call changes (hooks, checkpointed blocks, parts): a second apply
+        # would wrap them again, as on N devices
+        setattr(model, _APPLIED, True)
         _checkpoint_activations(model, plan, None)
         _register_root_hooks(model, None, False, plan.activation_checkpointing)
-        if parts > 1:  # the model's call changes: a second apply would nest the parts
-            setattr(model, _APPLIED, True)
+        if parts > 1:
             accumulate(model, parts, None)
         return model
     if not rng.is_active() and _draws_dropout(model):

@@ -904,8 +904,11 @@ def _attention(
         scores = scores + _like_layout(attn_mask, scores)
     # torch's SDPA gives a query that may attend to nothing (a left-padded position) zero
     # weights, as its math path does with this op; softmax would give NaN, which spreads
-    # through the backward to every parameter
-    return drop(torch.ops.aten._safe_softmax(scores, -1)) @ value
+    # through the backward to every parameter.  In fp32, as fused kernels and autocast
+    # compute it: under CUDA's bf16 autocast the op on bf16 scores came out of autocast with
+    # an fp32 gradient its backward refused ("expected input and grad types to match").
+    weights = torch.ops.aten._safe_softmax(scores.float(), -1).to(scores.dtype)
+    return drop(weights) @ value
 
 
 def _heads_sharded_alike(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

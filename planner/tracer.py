@@ -308,32 +308,37 @@ def _mark_requires_grad(graph: nx.DiGraph) -> None:
             floating(d["dtype"]) and any(graph.nodes[p]["requires_grad"] for p in graph.predecessors(n)))
 
 
-# Elementwise ops whose backward kernels _elementwise_backward_bytes counts from
-# autograd's derivative formulas (torch's tools/autograd/derivatives.yaml); any other op
-# keeps its forward's bytes (``bwd_bytes``) as the estimate of its backward's.
+# Backward kernels of elementwise ops, from autograd's derivative formulas (torch's
+# tools/autograd/derivatives.yaml), checked against the bytes autograd's own kernels move
+# (tests/test_tracer.py).  Ops not named here keep their forward's bytes as the estimate.
 _ADDS = {"add", "sub"}  # the gradient passes through: no kernel for a same-shape input
-_PRODUCTS = {"mul", "div"}  # each input's gradient: the output's times the other inputs
-_UNARY = {"to", "contiguous", "clone", "neg", "pow", "rsqrt", "sqrt", "silu", "gelu", "tanh",
-          "sigmoid", "exp", "log", "relu", "mean", "sum", "type_as"}
-_UNARY_SAVED = {"pow", "rsqrt", "sqrt", "silu", "gelu", "tanh", "sigmoid", "exp", "log", "relu"}
+# the gradient itself, or views of it (cat's pieces, stack's slices, sum's expansion)
+_PASS_THROUGH = {"contiguous", "clone", "sum", "cat", "stack"}
+# one-input ops: passes over the input's size.  pow(x, 2): grad * 2 * x.pow(1), three
+# kernels; rsqrt: -0.5 * grad * out.pow(3), three; sqrt: grad / (2 * out), two; the rest
+# one kernel reading the gradient and a saved tensor (neg: the gradient alone)
+_UNARY_PASSES = {"pow": 7, "rsqrt": 7, "sqrt": 5, "silu": 3, "gelu": 3, "tanh": 3, "sigmoid": 3,
+                 "exp": 3, "log": 3, "relu": 3, "neg": 2}
+_COUNTED = _ADDS | _PASS_THROUGH | set(_UNARY_PASSES) | {"mul", "div", "to", "type_as", "mean"}
 
 
 def _mark_backward(graph: nx.DiGraph) -> None:
     """The backward's FLOPs and bytes, which forward shapes alone do not give.
 
     * A value that needs no gradient has no backward: masks, positions, rotary tables.
-    * Elementwise ops get one pass per input that needs a gradient, reading the output's
-      gradient and whatever the derivative needs, writing that input's gradient (summed
-      down where the input was broadcast: a full-size product first).  A product whose
-      two inputs both need gradients (SwiGLU's gate * up) so costs twice its forward, a
+    * Elementwise ops get their gradient kernels (``_elementwise_backward_bytes``): a
+      product whose two inputs both need gradients (SwiGLU's gate * up) costs twice its
+      forward, a broadcast weight's gradient a full-size product and its sum besides, a
       same-shape add nothing.
-    * A value read by k ops that each send it a gradient gets k - 1 gradient
-      accumulations, each an add of two gradients (autograd's; the residual stream's
-      fork into the norm and the next residual add).
+    * A value that k ops send gradients gets k - 1 accumulations, each an add of two
+      gradients (autograd's; the residual stream's fork).  A multi-output op (split,
+      chunk) gets its pieces' gradients back as one concatenation instead.
     Measured on an H100 against an FSDP2 step's per-op kernel time (docs/cost_model.md,
     "On a GPU"): the step's ``mul`` kernels took 12.5 ms where ``bwd_bytes = bytes``
-    priced the traced muls at 5.5, forward and backward; they are priced 9.9 now."""
-    for _, d in graph.nodes(data=True):
+    priced the traced muls at 5.5, forward and backward; they are priced 9.9 now.
+    Parameters' own accumulation (a tied embedding and head) is not counted: the
+    planner prices operator nodes only."""
+    for n, d in graph.nodes(data=True):
         if d["kind"] != "call_function":
             continue
         if not d["requires_grad"]:
@@ -342,27 +347,28 @@ def _mark_backward(graph: nx.DiGraph) -> None:
         elementwise = _elementwise_backward_bytes(graph, d)
         if elementwise is not None:
             d["bwd_bytes"] = elementwise
-    for n, d in graph.nodes(data=True):
-        if not d["requires_grad"]:
+        senders = [c for c in graph.successors(n) if graph.nodes[c]["requires_grad"]]
+        if any(graph.nodes[c]["short"] == "getitem" for c in senders):
+            d["bwd_bytes"] += 2.0 * d["out_numel"] * d["itemsize"]  # cat the pieces' gradients
             continue
-        senders = sum(1 for c in graph.successors(n) if graph.nodes[c]["requires_grad"]
-                      for name in graph.nodes[c]["in_nodes"] if name == n)
-        if senders > 1:
-            d["bwd_bytes"] += (senders - 1) * 3.0 * _out_bytes(d)
+        # an input named twice (x * x) sends two gradients; one in a list (cat) once
+        count = sum(max(1, graph.nodes[c]["in_nodes"].count(n)) for c in senders)
+        if count > 1:
+            d["bwd_bytes"] += (count - 1) * 3.0 * _out_bytes(d)
 
 
 def _out_bytes(d: dict) -> float:
-    return float(math.prod(d["shape"]) * d["itemsize"]) if d["shape"] or d["itemsize"] else 0.0
+    return float(math.prod(d["shape"]) * d["itemsize"])
 
 
 def _elementwise_backward_bytes(graph: nx.DiGraph, d: dict) -> float | None:
     """Bytes the backward kernels of elementwise op ``d`` read and write (None: not one
     of the ops counted here)."""
     short = d["short"]
-    if short not in _ADDS | _PRODUCTS | _UNARY or len(d["in_nodes"]) != len(d["in_shapes"]):
+    if short in _PASS_THROUGH or (short in ("to", "type_as") and not d["copy"]):
+        return 0.0
+    if short not in _COUNTED or len(d["in_nodes"]) != len(d["in_shapes"]):
         return None
-    if short in _MAYBE_ALIAS | {"clone", "type_as"} and not d["copy"]:
-        return 0.0  # the input itself: its gradient passes through
     inputs = [graph.nodes[p] for p in d["in_nodes"]]
     sizes = [math.prod(shape) * p["itemsize"] for shape, p in zip(d["in_shapes"], inputs, strict=True)]
     grad = _out_bytes(d)
@@ -371,16 +377,21 @@ def _elementwise_backward_bytes(graph: nx.DiGraph, d: dict) -> float | None:
     for i, p in enumerate(inputs):
         if not p["requires_grad"]:
             continue
-        broadcast = math.prod(d["in_shapes"][i]) < numel
+        # a broadcast input's gradient is a full-size tensor first, then summed down to it
+        reduce = 2.0 * grad if math.prod(d["in_shapes"][i]) < numel else 0.0
         if short in _ADDS:
-            same = not broadcast and p["dtype"] == d["dtype"]
-            total += 0.0 if same and (short == "add" or i == 0) else grad + sizes[i]
-        elif short in _PRODUCTS:
-            others = sum(sizes) - sizes[i] + (sizes[1] if short == "div" and i == 1 else 0.0)
-            total += grad + others + sizes[i] + (2.0 * grad if broadcast else 0.0)
+            same = not reduce and p["dtype"] == d["dtype"]
+            total += 0.0 if same and (short == "add" or i == 0) else grad + sizes[i] + reduce
+        elif short == "mul" or (short == "div" and i == 0):  # grad * other, grad / other
+            total += grad + sum(sizes) + reduce
+        elif short == "div":  # the denominator's: -grad * (a / b) / b, four kernels
+            total += sizes[0] + 2.0 * sizes[1] + 7.0 * grad + reduce
+        elif short == "mean":  # the gradient expanded to the input, divided by the count
+            total += grad + sizes[i]
+        elif short in ("to", "type_as"):  # the gradient cast back
+            total += grad + sizes[i]
         else:
-            saved = sizes[i] if short in _UNARY_SAVED else 0.0
-            total += grad + saved + sizes[i]
+            total += _UNARY_PASSES[short] * sizes[i]
     return total
 
 

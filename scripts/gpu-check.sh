@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA checks, on a machine with a GPU where meshplan imports (CI has no GPU; see
-# docs/executor.md, "On a GPU"): bench.gpu_step (the GPU profile's compute constants and a
+# docs/cost_model.md, "On a GPU"): bench.gpu_step (the GPU profile's compute constants and a
 # one-device training step against the cost model), then tests/test_cuda.py and the
 # CUDA-parametrised tests/test_rng.py.  Everything it prints is kept under DIR.
 #

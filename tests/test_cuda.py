@@ -1,5 +1,5 @@
 """The CUDA path on a real GPU: skipped where torch sees none (CI has none; the device
-machines some sessions are lent run it, see docs/executor.md, "On a GPU").
+machines some sessions are lent run it, see docs/cost_model.md, "On a GPU").
 
 * executor.rng draws on CUDA the bits it draws on the CPU, eagerly and with its compiled
   (triton) kernel: the integer-derived values (uniform, dropout, bernoulli, randint, the
@@ -102,3 +102,23 @@ def test_a_one_device_gpu_plan_trains_on_the_gpu_to_the_cpus_losses() -> None:
         torch.testing.assert_close(p, cpu_init[n], rtol=2**-22, atol=2**-30, msg=n)
     assert gpu == pytest.approx(cpu, rel=1e-4)
     assert len(set(cpu)) == STEPS
+
+
+def test_attention_dropout_under_autocast_trains() -> None:
+    """executor.rng runs SDPA with dropout as explicit ops; under CUDA's bf16 autocast the
+    backward of its softmax failed ("expected input and grad types to match"), found by
+    bench.gpu_step's dropout section.  The probabilities match the CPU's within bf16."""
+    def attend(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+        rng.manual_seed(SEED)
+        g = torch.Generator().manual_seed(3)
+        q = torch.randn(2, 4, 64, 16, generator=g).to(device).requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
+        out.float().sum().backward()
+        return out.float().cpu(), q.grad.cpu()
+
+    (cpu_out, cpu_grad), (out, grad) = attend("cpu"), attend("cuda")
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(out, cpu_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(grad, cpu_grad, rtol=5e-2, atol=5e-2)
+

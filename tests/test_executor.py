@@ -1219,3 +1219,7 @@ def test_a_one_device_plan_checkpoints_as_it_says(checkpointing: str) -> None:
     assert loss == plain_loss
     for n, g in grads.items():
         torch.testing.assert_close(g, plain_grads[n], rtol=1e-6, atol=1e-7, msg=n)
+    model = build(Case("llama"))
+    plan = make_plan(model, {"dp": 1}, checkpointing=checkpointing)
+    with pytest.raises(executor.PlanError, match="executor.apply already ran on this model"):
+        executor.apply(plan, executor.apply(plan, model))  # torch's checkpoint refused a second wrap
