@@ -439,8 +439,6 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
-
-
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()

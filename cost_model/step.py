@@ -177,14 +177,18 @@ def optimizer_time(
     small ones (norm weights, biases), and much more so when the parameters are
     DTensors (``dtensor``), whose every op pays DTensor's host-side dispatch.  A foreach
     update (``StateBytes.foreach``: torch's default on CUDA) issues each op once for all
-    tensors.  ``tensors`` is how many parameter tensors the device updates; each FSDP
-    rank updates only its shard of every tensor.
+    tensors, its kernels each covering many; DTensor still unwraps every tensor of the
+    list, so its dispatch is charged per tensor.  ``tensors`` is how many parameter
+    tensors the device updates; each FSDP rank updates only its shard of every tensor.
     """
     if tensors < 1:
         raise ValueError(f"tensors: must be >= 1, got {tensors}")
     per = state_bytes_per_param(optimizer)
     traffic = model_state_bytes(params, optimizer, shard_degree).update_traffic
-    ops = per.update_ops * (1 if per.foreach else tensors)
+    if per.foreach:
+        host = profile.kernel_floor_s + (tensors * profile.dtensor_op_overhead_s if dtensor else 0.0)
+        return per.update_ops * op_time(profile, 0, traffic / per.update_ops, host_s=host)
+    ops = tensors * per.update_ops
     return ops * op_time(profile, 0, traffic / ops, dtensor=dtensor)
 
 

@@ -320,6 +320,7 @@ _PASS_THROUGH = {"contiguous", "clone", "sum", "cat", "stack"}
 _UNARY_PASSES = {"pow": 7, "rsqrt": 7, "sqrt": 5, "silu": 3, "gelu": 3, "tanh": 3, "sigmoid": 3,
                  "exp": 3, "log": 3, "relu": 3, "neg": 2}
 _COUNTED = _ADDS | _PASS_THROUGH | set(_UNARY_PASSES) | {"mul", "div", "to", "type_as", "mean"}
+_SPLITS = {"split", "split_with_sizes", "chunk", "unbind"}  # pieces of one tensor
 
 
 def _mark_backward(graph: nx.DiGraph) -> None:
@@ -348,7 +349,7 @@ def _mark_backward(graph: nx.DiGraph) -> None:
         if elementwise is not None:
             d["bwd_bytes"] = elementwise
         senders = [c for c in graph.successors(n) if graph.nodes[c]["requires_grad"]]
-        if any(graph.nodes[c]["short"] == "getitem" for c in senders):
+        if d["short"] in _SPLITS:
             d["bwd_bytes"] += 2.0 * d["out_numel"] * d["itemsize"]  # cat the pieces' gradients
             continue
         # an input named twice (x * x) sends two gradients; one in a list (cat) once
@@ -385,7 +386,7 @@ def _elementwise_backward_bytes(graph: nx.DiGraph, d: dict) -> float | None:
         elif short == "mul" or (short == "div" and i == 0):  # grad * other, grad / other
             total += grad + sum(sizes) + reduce
         elif short == "div":  # the denominator's: -grad * (a / b) / b, four kernels
-            total += sizes[0] + 2.0 * sizes[1] + 7.0 * grad + reduce
+            total += sizes[0] + 2.0 * sizes[1] + 7.0 * grad + (reduce + sizes[1] if reduce else 0.0)
         elif short == "mean":  # the gradient expanded to the input, divided by the count
             total += grad + sizes[i]
         elif short in ("to", "type_as"):  # the gradient cast back

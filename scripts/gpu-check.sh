@@ -13,5 +13,5 @@ export PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit,memory.total --format=csv
     python3 -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
 } 2>&1 | tee "$out/gpu.txt"
-timeout 240 python3 -m bench.gpu_step --out "$out" 2>&1 | tee "$out/gpu_step.txt"
+timeout 420 python3 -m bench.gpu_step --out "$out" 2>&1 | tee "$out/gpu_step.txt"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py tests/test_rng.py 2>&1 | tee "$out/pytest.txt"

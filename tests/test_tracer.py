@@ -198,7 +198,8 @@ class _KernelBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
-        if any(r.alias_info for r in func._schema.returns) or func is torch.ops.aten.detach.default:
+        views = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+        if views or func is torch.ops.aten.detach.default:
             return out
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         self.total += sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes()) for t in tensors)
@@ -247,7 +248,7 @@ def test_elementwise_backward_bytes_are_autograds(case: str) -> None:
     dy = torch.ones_like(y)
     with _KernelBytes() as measured:
         torch.autograd.grad(y, [x, model.w], dy, allow_unused=True)
-    assert predicted == pytest.approx(measured.total, rel=0.1), (predicted, measured.total)
+    assert predicted == pytest.approx(measured.total, rel=1e-3), (predicted, measured.total)
 
 
 def test_backward_of_a_llama_layer() -> None:
