@@ -230,6 +230,17 @@ def _philox(seed: int, op: int, blocks: torch.Tensor) -> torch.Tensor:
     """``(len(blocks), 4)`` words, from the compiled kernel where it is on and works."""
     key = (seed & _M32, seed >> 32)
     compiled = _compiled_kernel(blocks)
+    if compiled is not None and blocks.is_cuda and _COMPILED["triton"]:
+        try:  # triton's 32-bit multiply-high: torch.compile's int64 products are slow on GPUs
+            from executor.rng_triton import philox_words
+
+            with torch._C.DisableTorchFunction():
+                return philox_words(blocks, key, op)
+        except Exception as e:  # no triton: the compiled torch kernel below, same bits
+            _LOG.warning("executor.rng: the triton Philox kernel failed (%s: %s); using the "
+                         "torch.compile'd one from now on", type(e).__name__,
+                         str(e).splitlines()[0] if str(e) else "")
+            _COMPILED["triton"] = False
     if compiled is not None:
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=blocks.device)
         try:
@@ -269,7 +280,7 @@ def _philox_blocks(
 
 _LOG = logging.getLogger(__name__)
 # enabled: None = not decided yet (the default: on unless MESHPLAN_RNG_KERNEL=eager).
-_COMPILED: dict[str, Any] = {"fn": None, "enabled": None}
+_COMPILED: dict[str, Any] = {"fn": None, "enabled": None, "triton": True}
 
 
 def _kernel_enabled() -> bool:
@@ -291,11 +302,13 @@ def _compiled_kernel(blocks: torch.Tensor) -> Callable[..., torch.Tensor] | None
 
 
 def use_compiled_generator(enabled: bool = True) -> None:
-    """Draw with one ``torch.compile``'d Philox kernel (the default) or ~95 eager torch ops.
+    """Draw with one ``torch.compile``'d Philox kernel (the default; on CUDA a triton
+    kernel of its own, executor.rng_triton) or ~95 eager torch ops.
 
-    The compiled kernel runs at the speed of torch's native dropout (bench/rng.py);
-    the eager ops cost 2-3x that, which is most of what consistent dropout costs a
-    step.  Integer ops are exact, so the bits are the same either way.  The kernel is
+    On a CPU the compiled kernel runs at the speed of torch's native dropout
+    (bench/rng.py); the eager ops cost 2-3x that, which is most of what consistent
+    dropout costs a step (on an H100 the triton kernel's dropout took 12x native:
+    docs/rng.md, "On a GPU").  Integer ops are exact, so the bits are the same either way.  The kernel is
     compiled on the first draw of the process (seconds with a warm inductor cache,
     about 30 s cold); where compiling fails (no C++ compiler for CPU, no triton for
     CUDA) the generator logs a warning and stays eager.  ``MESHPLAN_RNG_KERNEL=eager``
@@ -303,7 +316,7 @@ def use_compiled_generator(enabled: bool = True) -> None:
     spawned rank the compile).  Seed and counter are passed as tensors, so the kernel is
     compiled once, not once per op.
     """
-    _COMPILED["fn"], _COMPILED["enabled"] = None, enabled
+    _COMPILED.update(fn=None, enabled=enabled, triton=True)
 
 
 def _mantissa_bits(dtype: torch.dtype) -> int:

@@ -2,9 +2,9 @@
 machines some sessions are lent run it, see docs/cost_model.md, "On a GPU").
 
 * executor.rng draws on CUDA the bits it draws on the CPU, eagerly and with its compiled
-  (triton) kernel: the integer-derived values (uniform, dropout, bernoulli, randint, the
-  uniform inits) bit for bit, normals to the last bit of float32 (CUDA's and the CPU's
-  log/cos/sin are not correctly rounded, docs/rng.md).
+  kernel (executor.rng_triton on CUDA): the integer-derived values (uniform, dropout,
+  bernoulli, randint, the uniform inits) bit for bit, normals to the last bit of float32
+  (CUDA's and the CPU's log/cos/sin are not correctly rounded, docs/rng.md).
 * a 1-device plan for a GPU profile puts the model on the GPU and trains to the CPU
   run's losses, dropout on.
 """
@@ -59,6 +59,7 @@ def test_draws_on_cuda_are_the_cpus(compiled: bool) -> None:
     try:
         cuda = _draws("cuda")
         assert rng._COMPILED["enabled"] is compiled  # a failed compile would have gone eager
+        assert rng._COMPILED["triton"]  # on CUDA the compiled words come from executor.rng_triton
     finally:
         rng.use_compiled_generator(False)  # the suite's setting (tests/conftest.py)
     for name in EXACT:
