@@ -1223,3 +1223,16 @@ def test_a_one_device_plan_checkpoints_as_it_says(checkpointing: str) -> None:
     plan = make_plan(model, {"dp": 1}, checkpointing=checkpointing)
     with pytest.raises(executor.PlanError, match="executor.apply already ran on this model"):
         executor.apply(plan, executor.apply(plan, model))  # torch's checkpoint refused a second wrap
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests/test_cuda.py covers a machine with CUDA")
+def test_a_one_device_gpu_plan_runs_on_the_cpu_without_cuda() -> None:
+    """The single-device reference of a GPU plan on a CPU-only machine: the model stays
+    on the CPU (where CUDA exists, tests/test_cuda.py checks it moves to the GPU)."""
+    plan = planner.hand_plan("llama-tiny", devices=1, profile="h100-sxm-80g", batch_size=BATCH, seq_len=SEQ)
+    assert plan.mesh.device_type == "cuda"
+    executor.rng.manual_seed(SEED)
+    model = executor.apply(plan, build(Case("llama", meta=True)))
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    ids = batches(Case("llama"))[0][0]
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
