@@ -51,6 +51,7 @@ from cost_model.profile import Profile, load_profile
 from executor import rng
 from planner.presets import PRESETS, build_model, load_config
 from planner.tracer import layer_weight
+from service.terminal import table
 
 WARMUP, REPEATS = 3, 10
 # (label, batch, seq): the same 8192 tokens, causal attention's share differs
@@ -75,16 +76,8 @@ def cuda_seconds(fn: Callable[[], object], warmup: int = WARMUP, repeats: int = 
     return statistics.median(times)
 
 
-def _row(cells: list[str], widths: list[int]) -> str:
-    return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
-
-
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    print(f"\n{title}")
-    print(_row(header, widths))
-    for r in rows:
-        print(_row(r, widths))
+    print(f"\n{title}\n{table(header, rows)}")
 
 
 # -- kernels ---------------------------------------------------------------------------------
@@ -271,9 +264,9 @@ def kernel_split(step: Callable[[], object], out: Path | None, label: str,
             kernels[f"{e.key} ({e.count} calls)"] = seconds(e, False)
     ops = {e.key: seconds(e, True) for e in profiled([ProfilerActivity.CPU, ProfilerActivity.CUDA])
            if e.key.startswith("aten::") and seconds(e, True)}
-    for name, table in (("kernels", kernels), ("ops", ops)) if out is not None else ():
+    for name, seconds_of in (("kernels", kernels), ("ops", ops)) if out is not None else ():
         (out / f"{name}-{label}.txt").write_text("\n".join(
-            f"{s * 1e3:10.3f} ms  {key}" for key, s in sorted(table.items(), key=lambda o: -o[1])))
+            f"{s * 1e3:10.3f} ms  {key}" for key, s in sorted(seconds_of.items(), key=lambda o: -o[1])))
     return kinds, ops
 
 

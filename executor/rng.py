@@ -308,8 +308,8 @@ def use_compiled_generator(enabled: bool = True) -> None:
     On a CPU the compiled kernel runs at the speed of torch's native dropout
     (bench/rng.py); the eager ops cost 2-3x that, which is most of what consistent
     dropout costs a step (on an H100 the triton kernel's dropout took 12x native:
-    docs/rng.md, "On a GPU").  Integer ops are exact, so the bits are the same either way.  The kernel is
-    compiled on the first draw of the process (seconds with a warm inductor cache,
+    docs/rng.md, "On a GPU").  Integer ops are exact, so the bits are the same either
+    way.  The kernel is compiled on the first draw of the process (seconds with a warm inductor cache,
     about 30 s cold); where compiling fails (no C++ compiler for CPU, no triton for
     CUDA) the generator logs a warning and stays eager.  ``MESHPLAN_RNG_KERNEL=eager``
     in the environment makes eager the default (the test suite uses it, to spare every
