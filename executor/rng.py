@@ -427,10 +427,26 @@ class _State:
     # the op of the first draw on the meta device since the seed (or state) was set: where
     # building a meta model began drawing, which deferred_init.materialize replays from
     meta_start: int | None = None
+    # set in a process forked from a seeded one (a DataLoader worker): until it seeds
+    # anew, its draws are torch's own, which the DataLoader seeds per worker
+    forked: bool = False
 
 
 _STATE = _State()
 _LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits the seed, the counter and the mode: every DataLoader worker
+    would draw the parent's next values, the same in each worker.  Such a child is not a
+    rank of the SPMD program, so it draws from torch's generator, which DataLoader seeds
+    per worker, as it would without this module (spawned children start unseeded alike)."""
+    global _LOCK
+    _LOCK = threading.Lock()  # another thread may have held it at the fork
+    _STATE.forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _next_op(meta: bool = False) -> tuple[int, int]:
@@ -467,6 +483,7 @@ def manual_seed(seed: int) -> None:
         _STATE.seed = seed & _M64
         _STATE.counter = 0
         _STATE.meta_start = None
+        _STATE.forked = False
     torch.manual_seed(seed & _M64)
     _install()
 
@@ -496,6 +513,7 @@ def set_state(state: dict[str, int]) -> None:
         _STATE.seed = state["seed"] & _M64
         _STATE.counter = state["counter"]
         _STATE.meta_start = None
+        _STATE.forked = False
     _install()
 
 
@@ -1363,7 +1381,7 @@ class _RandomMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         handler = _handler(func)
-        if handler is None or kwargs.get("generator") is not None:
+        if handler is None or kwargs.get("generator") is not None or _STATE.forked:
             return func(*args, **kwargs)
         if _REDIRECT.fn is not None and func in _REDIRECTABLE:
             return _REDIRECT.fn(func, args, kwargs)
@@ -1374,7 +1392,11 @@ _MODE = _RandomMode()
 
 
 def is_active() -> bool:
-    """Whether interception is on in this thread."""
+    """Whether interception is on in this thread (not in a forked child until it seeds)."""
+    return not _STATE.forked and _on_stack()
+
+
+def _on_stack() -> bool:
     return any(m is _MODE for m in torch.overrides._get_current_function_mode_stack())
 
 
@@ -1389,7 +1411,7 @@ def deactivate() -> None:
 
 def _install() -> None:
     """Push the mode for good (no ``__exit__``): the seed call is the only switch users need."""
-    if not is_active():
+    if not _on_stack():
         _MODE.__enter__()
 
 

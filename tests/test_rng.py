@@ -596,6 +596,35 @@ def test_interception_is_per_thread() -> None:
     assert rng.is_active() and seen == [False]
 
 
+class _RandomItems(torch.utils.data.Dataset):
+    """Each item a fresh draw, as random masking or augmentation in a dataset makes one."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.rand(2)
+
+
+def _loaded(workers: int) -> torch.Tensor:
+    return torch.cat(list(torch.utils.data.DataLoader(_RandomItems(), batch_size=2, num_workers=workers,
+                                                      multiprocessing_context="fork")))
+
+
+def test_dataloader_workers_draw_as_with_torch_alone() -> None:
+    """Forked workers inherit the seed, counter and mode; they must not all draw the
+    parent's next values (every worker's items were equal), but torch's generator, which
+    DataLoader seeds per worker, as without executor.rng."""
+    rng.manual_seed(SEED)
+    seeded = _loaded(2)
+    with rng.suspended():
+        torch.manual_seed(SEED)
+        plain = _loaded(2)
+    assert len({tuple(row.tolist()) for row in seeded}) == 8
+    assert torch.equal(seeded, plain)
+    assert rng.is_active() and rng.get_state()["counter"] == 0  # the parent's stream is untouched
+
+
 def test_bad_input_errors() -> None:
     with pytest.raises(TypeError, match="seed must be an int"):
         rng.manual_seed("1")  # type: ignore[arg-type]
