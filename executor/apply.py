@@ -53,6 +53,8 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 from torch.distributed.tensor.experimental import implicit_replication, register_sharding
+from torch.distributed.utils import _sync_module_states  # DDP's broadcast of module states
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import SUPPORTED_NODES, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -70,6 +72,10 @@ _UNIT_SHARD_DIM = "_fsdp_unit"
 
 
 _APPLIED = "_executor_applied"  # set on a model apply has changed: a second apply is refused
+_REPLACED = "_executor_replaced_by_apply"  # on a parameter apply swapped for another: its FQN
+_BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's default broadcast bucket
+_OPTIMIZER_HOOK: list[Any] = []  # the global step pre-hook, registered once
+_CHECKED_OPTIMIZERS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 class PlanError(ValueError):
@@ -149,8 +155,11 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     _refuse_save_pretrained(model, plan.devices)
     mesh = mesh or _build_mesh(plan, layout)
     model_mesh = mesh[layout.model] if _size(mesh, layout.model) > 1 else None
+    before = dict(model.named_parameters())
     if on_meta:
         _materialize(model, model_mesh, layout, plan.mesh.names)
+    else:
+        _from_first_rank(model, mesh)
     if model_mesh is not None:
         _distribute_parameters(model, model_mesh, layout, plan.mesh.names)
         if not layout.data:  # FSDP2 reduces the gradients of the parameters it wraps
@@ -165,9 +174,11 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
             warnings.warn(f"{problem}; this run will not reproduce the 1-device run (docs/executor.md, "
                           "Known limits)", stacklevel=2)
     if layout.cuts is not None:
-        return pipeline.pipelined(model, plan, layout.cuts, mesh, batch,
-                                  partial(_prepare_stage, plan=plan, mesh=mesh, model_mesh=model_mesh,
-                                          layout=layout))
+        model = pipeline.pipelined(model, plan, layout.cuts, mesh, batch,
+                                   partial(_prepare_stage, plan=plan, mesh=mesh, model_mesh=model_mesh,
+                                           layout=layout))
+        _mark_replaced(before, model)
+        return model
     _checkpoint_activations(model, plan, batch)
     if layout.data:
         _fully_shard(model, mesh, layout, plan.mesh.names)
@@ -176,6 +187,7 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     _register_root_hooks(model, batch, model_mesh is not None, plan.activation_checkpointing)
     if parts > 1:  # after fully_shard, whose class the model's becomes a subclass of
         accumulate(model, parts, batch)
+    _mark_replaced(before, model)
     return model
 
 
@@ -319,6 +331,49 @@ def _build_mesh(plan: Plan, layout: _Layout) -> DeviceMesh:
         local = os.environ.get("LOCAL_RANK")
         torch.cuda.set_device(int(local) if local is not None else dist.get_rank() % torch.cuda.device_count())
     return init_device_mesh(device, tuple(shape), mesh_dim_names=tuple(names))
+
+
+def _from_first_rank(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Give every rank the parameters and buffers of the mesh's first rank, as DDP does
+    when it is constructed (with DDP's own helper).
+
+    Ranks that built or loaded a real model apart can hold different values: another seed,
+    or a checkpoint read on one rank only.  FSDP2 would shard each rank's own copy and a
+    replicated dim would keep it, so the copies would train apart without an error.  Each
+    mesh dim broadcasts in turn from its coordinate 0; after dim ``d`` every rank holds the
+    values of the rank whose coordinates up to ``d`` are 0."""
+    for dim in range(mesh.ndim):
+        if mesh.size(dim) > 1:
+            group = mesh.get_group(dim)
+            _sync_module_states(model, group, _BROADCAST_BUCKET_BYTES, 0, ())  # src: the group's rank 0
+
+
+def _mark_replaced(before: dict[str, nn.Parameter], model: nn.Module) -> None:
+    """Tag each parameter that apply swapped for a distributed one with its FQN: an
+    optimizer built from them before apply would step tensors no gradient reaches, and
+    train nothing without an error (``_refuse_replaced_parameters``)."""
+    kept = {id(p) for p in model.parameters()}
+    replaced = [(fqn, p) for fqn, p in before.items() if id(p) not in kept]
+    for fqn, p in replaced:
+        setattr(p, _REPLACED, fqn)
+    if replaced and not _OPTIMIZER_HOOK:
+        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_refuse_replaced_parameters))
+
+
+def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """A global optimizer step pre-hook: refuse, at an optimizer's first step, parameters
+    apply replaced (``_mark_replaced``)."""
+    if optimizer in _CHECKED_OPTIMIZERS:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            fqn = getattr(p, _REPLACED, None)
+            if fqn is not None:
+                raise RuntimeError(
+                    f"optimizer: parameter {fqn} is the one executor.apply replaced with a distributed "
+                    "parameter, so stepping it trains nothing; build the optimizer from the applied "
+                    "model's parameters, after apply")
+    _CHECKED_OPTIMIZERS.add(optimizer)
 
 
 def _one_device(plan: Plan) -> torch.device:

@@ -625,6 +625,50 @@ def test_apply_twice_is_refused() -> None:
         executor.rng.deactivate()
 
 
+def models_built_apart() -> list[bool]:
+    """Per layout: whether every rank holds rank 0's initial weights after apply, when each
+    rank built its real model from a seed of its own (as ranks that load a checkpoint on
+    rank 0 only differ)."""
+    rank = torch.distributed.get_rank()
+    same = []
+    for mesh, fsdp in (({"dp": 4}, False), ({"dp": 4}, True), ({"dp": 2, "tp": 2}, True)):
+        executor.rng.manual_seed(SEED + rank)
+        model = build(Case("llama", mesh))
+        first: list[dict[str, torch.Tensor] | None] = [_full(dict(model.named_parameters()))]
+        torch.distributed.broadcast_object_list(first, src=0)
+        model = executor.apply(make_plan(model, mesh, fsdp=fsdp), model)
+        held = _full(dict(model.named_parameters()))
+        same.append(all(torch.equal(held[n], t) for n, t in first[0].items()))
+    executor.rng.deactivate()
+    return same
+
+
+def test_real_models_built_apart_start_from_the_first_ranks_weights() -> None:
+    """FSDP2 sharded each rank's own copy and a replicated dim kept it, so the copies
+    trained apart without an error (review); apply now broadcasts them, as DDP does."""
+    assert run_on_ranks(4, models_built_apart) == [[True, True, True]] * 4
+
+
+def test_an_optimizer_built_before_apply_is_refused_at_its_first_step() -> None:
+    """Its parameters are the ones apply replaced, which no gradient reaches: the N-device
+    run trained nothing while the 1-device run trained (review)."""
+    torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        executor.rng.manual_seed(SEED)
+        model = build(Case("llama", {"dp": 2}))
+        early = torch.optim.AdamW(model.parameters())
+        model = executor.apply(make_plan(model, {"dp": 2}, fsdp=True), model)
+        ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+        model(input_ids=ids, labels=ids).loss.backward()
+        with pytest.raises(RuntimeError, match="parameter model.embed_tokens.weight is the one executor.apply "
+                                               "replaced.*build the optimizer .* after apply"):
+            early.step()
+        torch.optim.AdamW(model.parameters()).step()  # built after apply: steps
+    finally:
+        torch.distributed.destroy_process_group()
+        executor.rng.deactivate()
+
+
 def test_a_meta_model_without_a_seed_says_which_call_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(executor.rng._STATE, "seed", None)
     meta = build_model(load_config("llama-tiny"), "meta")
