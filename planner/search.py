@@ -14,6 +14,7 @@ choices, so plans and hand layouts are compared by one cost function.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 import re
@@ -640,7 +641,13 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
          seq_len: int | None = None, mesh: Mapping[str, int] | None = None,
          constraints: Sequence[Mapping[str, Any]] | None = None, time_limit_s: float | None = None,
          progress: Progress | None = None) -> Plan:
-    """Plan ``model`` on ``devices`` devices of ``profile`` (see SPEC.md)."""
+    """Plan ``model`` on ``devices`` devices of ``profile`` (see SPEC.md).
+
+    ``constraints``: pins, each ``{"param": pattern, "placements": [...]}``; the parameters
+    the pattern matches (an FQN, or the plan's ``*`` pattern of repeated blocks, e.g.
+    ``model.layers.*.mlp.up_proj.weight``) take those placements, one per mesh dim (``R``,
+    ``S(d)``), on every mesh searched.  A pattern that matches no parameter, or a pin no
+    mesh can take, raises :class:`PlanningError` naming it."""
     say = progress or (lambda _msg: None)
     if time_limit_s is not None and (isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float))
                                      or not math.isfinite(time_limit_s) or time_limit_s <= 0):
@@ -650,7 +657,7 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
     graph, prof, batch, seq, config = _resolve(model, devices, profile, batch_size, seq_len)
     divisor = _feature_divisor(graph, config) if config is not None else 1
     meshes = mesh_candidates(devices, prof, divisor, graph.graph["layers"], mesh, pipeline_blocker(graph))
-    pins = _constraint_pins(constraints)
+    pins = _constraint_pins(constraints, graph.graph["param_shapes"])
     say(f"traced {totals(graph)['nodes']} nodes ({graph.graph['traced_layers']} of "
         f"{graph.graph['layers']} layers exported) in {time.perf_counter() - t0:.1f}s; "
         f"searching {len(meshes)} mesh shape(s)")
@@ -749,22 +756,31 @@ class _Pins:
     def __call__(self, unit: Unit) -> None:
         for i, (pattern, placements) in enumerate(self.rules):
             keep = [ch for ch in unit.choices
-                    if all(pl == placements for f, pl in ch.weights.items() if pattern_matches(pattern, f)
-                           or pattern_matches(pattern, fqn_pattern(f)))]
+                    if all(pl == placements for f, pl in ch.weights.items() if _pinned(pattern, f))]
             if unit.choices and not keep:
                 self.emptied.add(f"constraints.{i}: no placement of {unit.module or unit.key} takes "
                                  f"{pattern} as {list(placements)}")
             unit.choices = keep
 
 
-def _constraint_pins(constraints: Sequence[Mapping[str, Any]] | None) -> _Pins | None:
+def _pinned(pattern: str, fqn: str) -> bool:
+    return pattern_matches(pattern, fqn) or pattern_matches(pattern, fqn_pattern(fqn))
+
+
+def _constraint_pins(constraints: Sequence[Mapping[str, Any]] | None, fqns: Iterable[str]) -> _Pins | None:
     if not constraints:
         return None
-    rules = []
+    rules, fqns = [], list(fqns)
     for i, c in enumerate(constraints):
         if not isinstance(c, Mapping) or set(c) != {"param", "placements"}:
             raise PlanningError(f"constraints.{i}: expected {{'param': pattern, 'placements': [...]}}")
-        rules.append((str(c["param"]), tuple(c["placements"])))
+        pattern = str(c["param"])
+        if not any(_pinned(pattern, f) for f in fqns):
+            names = sorted({fqn_pattern(f) for f in fqns})
+            close = difflib.get_close_matches(pattern, names, n=1)
+            raise PlanningError(f"constraints.{i}.param: {pattern} matches no parameter of the model"
+                                + (f"; did you mean {close[0]}?" if close else f" (one is {names[0]})" if names else ""))
+        rules.append((pattern, tuple(c["placements"])))
     return _Pins(rules)
 
 

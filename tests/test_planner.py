@@ -322,6 +322,10 @@ def test_bad_requests():
         planner.plan("llama-tiny", 2, "tpu-v9")
     with pytest.raises(planner.PlanningError, match="^constraints.0"):
         planner.plan("llama-tiny", 2, "h100-sxm-80g", constraints=[{"oops": 1}])
+    # a typo'd pattern was a pin on nothing: the plan ignored it (review)
+    with pytest.raises(planner.PlanningError, match=r"^constraints.0.param: lm_hed.weight matches no parameter "
+                                                    r"of the model; did you mean lm_head.weight\?"):
+        planner.plan("llama-tiny", 2, "h100-sxm-80g", constraints=[{"param": "lm_hed.weight", "placements": ["R"]}])
     # a pin no choice takes (a norm weight split on tp) skips every mesh: said so, not "no layout fits"
     with pytest.raises(planner.PlanningError, match=r"^constraints.1: no placement of model.norm takes "
                                                     r"model.norm.weight as \['R', 'S\(0\)'\] on any mesh tried"):
