@@ -189,7 +189,12 @@ class _Parts:
                 rng.set_state(state)
             raise
         loss = self.grads.end(torch.stack(losses).sum())
-        return (loss,) if kwargs.get("return_dict") is False else CausalLMOutputWithPast(loss=loss)
+        if kwargs.get("return_dict") is False:
+            return (loss,)
+        out = CausalLMOutputWithPast(loss=loss)
+        out.__class__ = _LossOnly  # after construction: ModelOutput's __post_init__ reads every field
+        vars(out)[_PARTS] = self.microbatches
+        return out
 
     def _whole(self, model: nn.Module, args: tuple, kwargs: dict) -> str | None:
         """Why this call runs its batch whole ("" where that needs no warning), or None."""
@@ -210,6 +215,25 @@ class _Parts:
             raise BatchError(f"batch: the global batch {total} does not split into microbatches="
                              f"{self.microbatches} (the plan's micro-batch count) x {ranks} data-parallel ranks")
         return total // self.microbatches, total
+
+
+_PARTS = "_meshplan_parts"
+
+
+class _LossOnly(CausalLMOutputWithPast):
+    """A training call run in parts: the step's loss and no logits.  Reading ``logits``
+    says why, where ``None`` failed later and without a reason in a loop written against
+    a plan without micro-batches (the planner picks their count per device count)."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "logits":
+            parts = vars(self)[_PARTS]
+            raise AttributeError(
+                f"logits: this training call ran the plan's microbatches={parts} in parts inside the model's "
+                "call and kept no logits (every part's logits are what the parts were cut to avoid holding); "
+                "a call without labels=, or in eval mode or under torch.no_grad(), runs its batch whole and "
+                "returns them (docs/executor.md, Micro-batches without a pipeline)")
+        return super().__getattribute__(name)
 
 
 def _loss(out: Any) -> torch.Tensor:

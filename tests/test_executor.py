@@ -734,6 +734,20 @@ def tp2_on_fake_group(sp: bool, checkpointing: str = "none") -> Iterator[nn.Modu
     return on_fake_group(Case("llama", {"tp": 2}, sp=sp, checkpointing=checkpointing))
 
 
+def test_a_training_call_in_micro_batches_says_why_it_has_no_logits() -> None:
+    """``out.logits`` was None, so a loop that reads them failed on a micro-batch plan only,
+    without the reason (review); a call that runs whole still returns them."""
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    with on_fake_group(Case("llama", {"dp": 2}, microbatches=2)) as model:
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        with pytest.raises(AttributeError, match=r"logits: this training call ran the plan's microbatches=2 "
+                                                 r"in parts .* under torch.no_grad\(\), runs its batch whole"):
+            getattr(out, "logits")  # noqa: B009 (the read is the test)
+        with torch.no_grad():
+            assert model(input_ids=ids, labels=ids).logits.shape == (BATCH, SEQ, 128)
+
+
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_fsdp_gathers_what_the_cost_model_charges(microbatches: int) -> None:
     """FSDP2's all-gathers in one training step of dp=2 fully sharded, with the plan's
