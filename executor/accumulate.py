@@ -191,10 +191,11 @@ class _Parts:
         loss = self.grads.end(torch.stack(losses).sum())
         if kwargs.get("return_dict") is False:
             return (loss,)
-        out = CausalLMOutputWithPast(loss=loss)
-        out.__class__ = _LossOnly  # after construction: ModelOutput's __post_init__ reads every field
-        vars(out)[_PARTS] = self.microbatches
-        return out
+        return loss_only(loss, f"this training call ran the plan's microbatches={self.microbatches} in parts "
+                               "inside the model's call and kept no logits (every part's logits are what the "
+                               "parts were cut to avoid holding); a call without labels=, or in eval mode or "
+                               "under torch.no_grad(), runs its batch whole and returns them (docs/executor.md, "
+                               "Micro-batches without a pipeline)")
 
     def _whole(self, model: nn.Module, args: tuple, kwargs: dict) -> str | None:
         """Why this call runs its batch whole ("" where that needs no warning), or None."""
@@ -217,23 +218,26 @@ class _Parts:
         return total // self.microbatches, total
 
 
-_PARTS = "_meshplan_parts"
+_WHY = "_meshplan_no_logits"
 
 
 class _LossOnly(CausalLMOutputWithPast):
-    """A training call run in parts: the step's loss and no logits.  Reading ``logits``
-    says why, where ``None`` failed later and without a reason in a loop written against
-    a plan without micro-batches (the planner picks their count per device count)."""
+    """A training step's output that keeps no logits (in micro-batches, or under a
+    pipeline): reading ``logits`` says why.  ``None`` failed later and without a reason
+    in a loop written against a plan without them (the planner picks them per device count)."""
 
     def __getattribute__(self, name: str) -> Any:
         if name == "logits":
-            parts = vars(self)[_PARTS]
-            raise AttributeError(
-                f"logits: this training call ran the plan's microbatches={parts} in parts inside the model's "
-                "call and kept no logits (every part's logits are what the parts were cut to avoid holding); "
-                "a call without labels=, or in eval mode or under torch.no_grad(), runs its batch whole and "
-                "returns them (docs/executor.md, Micro-batches without a pipeline)")
+            raise AttributeError(f"logits: {vars(self)[_WHY]}")
         return super().__getattribute__(name)
+
+
+def loss_only(loss: torch.Tensor, why: str) -> CausalLMOutputWithPast:
+    """``CausalLMOutputWithPast(loss=loss)`` whose ``logits`` raise ``AttributeError(why)``."""
+    out = CausalLMOutputWithPast(loss=loss)
+    out.__class__ = _LossOnly  # after construction: ModelOutput's __post_init__ reads every field
+    vars(out)[_WHY] = why
+    return out
 
 
 def _loss(out: Any) -> torch.Tensor:

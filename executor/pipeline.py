@@ -55,7 +55,7 @@ from torch.func import functional_call
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from executor import loss, rng
-from executor.accumulate import StepGradients
+from executor.accumulate import StepGradients, loss_only
 from executor.data import BatchError, DataParallelBatch, counted_tokens
 from planner.schema import Plan
 
@@ -505,7 +505,10 @@ class _Runner:
             raise
         if state is not None:  # every rank ends where one device's step ends
             rng.set_state({"seed": state["seed"], "counter": self._base + self.cuts.draws})
-        return CausalLMOutputWithPast(loss=self.grads.end(self._step_loss(losses, size)))
+        return loss_only(self.grads.end(self._step_loss(losses, size)),
+                         "a pipeline's training step keeps no logits (they stay on the last stage's ranks); "
+                         "to evaluate, load a checkpoint under a plan without pipeline stages "
+                         "(docs/executor.md, Pipeline parallelism)")
 
     def _refuse(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None, kwargs: dict) -> None:
         if input_ids is None or labels is None:

@@ -94,6 +94,10 @@ def train(plan_json: str, save_to: str | None = None, resume_from: str | None = 
         with pytest.raises(PipelineError) as e:
             model(input_ids=data[0])
         out["no_labels"] = str(e.value)
+        step = model(input_ids=data[0], labels=data[0])  # its loss is never backpropagated: no gradient
+        with pytest.raises(AttributeError) as e:
+            getattr(step, "logits")  # noqa: B009 (the read is the test)
+        out["logits"] = str(e.value)
         model.eval()
         with pytest.raises(PipelineError) as e:
             model(input_ids=data[0], labels=data[0])
@@ -370,6 +374,7 @@ def test_forward_without_labels_or_in_eval_mode_says_why(world2: dict) -> None:
     assert ranks[0][SAVER]["no_labels"].startswith(
         "labels: under a pipeline plan the model's forward runs a whole training step")
     assert ranks[0][SAVER]["eval"].startswith("model.eval(): under a pipeline plan the forward runs a training step")
+    assert ranks[0][SAVER]["logits"].startswith("logits: a pipeline's training step keeps no logits")  # was None
     for r in ranks:  # was: the step set it training again, and its dropout drew
         assert r[SAVER]["frozen"].startswith("model.layers.0: in eval mode while the model trains")
 
