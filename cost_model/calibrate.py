@@ -30,8 +30,10 @@ import itertools
 import math
 import os
 import platform
+import signal
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -701,6 +703,7 @@ def _rank_worker(
     rank: int, world: int, init_file: str, groups: Sequence[int], sizes: Sequence[int], out: str
 ) -> None:
     faulthandler.enable()  # a rank killed by a signal prints where it was (stderr)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's (measure_ranks), from any thread
     torch.set_num_threads(1)  # a rank is one thread, as executor-run training uses
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -727,9 +730,27 @@ def measure_ranks(
     (``retry``) and a second failure is raised."""
     with tempfile.TemporaryDirectory() as tmp:
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out.pt")
+        # the ranks inherit an ignored SIGINT from their first instruction (a spawned Python
+        # leaves it ignored), so Ctrl-C is this process's alone to handle
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
-            mp.spawn(_rank_worker, args=(world, init, tuple(groups), tuple(sizes), out),
-                     nprocs=world, join=True)
+            ranks = mp.spawn(_rank_worker, args=(world, init, tuple(groups), tuple(sizes), out),
+                             nprocs=world, join=False)
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+        try:
+            while not ranks.join():
+                pass
+        except KeyboardInterrupt:
+            # the ranks ignore SIGINT: one that died of it mid-collective left its peers
+            # blocked in gloo, and the interpreter's exit joined them for gloo's 30-minute
+            # timeout; stop them all here instead
+            for p in ranks.processes:
+                p.kill()
+                p.join()
+            raise
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
             why = str(e).strip().splitlines()[-1]
             if not os.path.exists(out):

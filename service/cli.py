@@ -385,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except KeyboardInterrupt:
+        print("meshplan: interrupted", file=sys.stderr)
         return 130
     return 0
 

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
 import pytest
 
 from cost_model.calibrate import (
@@ -147,3 +154,23 @@ def test_calibrate_small_run_writes_a_loadable_profile(tmp_path):
     assert profile.dtensor_node_host_s > profile.kernel_floor_s
     assert set(profile.fsdp_overhead) == {"replicate", "fully_shard"}
     assert all(o.unit_s + o.byte_s > 0 for o in profile.fsdp_overhead.values())
+
+
+def test_ctrl_c_stops_every_rank_at_once(tmp_path):
+    """SIGINT (Ctrl-C reaches the whole process group) killed some ranks mid-collective;
+    the others waited in gloo and the interpreter's exit joined them for its 30-minute
+    timeout, then left them running (review).  Now the ranks ignore it and the parent
+    stops them: one line, status 130, no process left."""
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "calibrate", "-o", str(tmp_path / "p.json")],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    parent = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 60
+    while len(parent.children()) < 4 and time.monotonic() < deadline:  # the 4 ranks have started
+        time.sleep(0.2)
+    ranks = parent.children(recursive=True)
+    time.sleep(2)  # inside the measurements
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and err.strip().endswith("meshplan: interrupted"), err
+    assert "Traceback" not in err
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
