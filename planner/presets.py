@@ -125,8 +125,8 @@ def _read_mapping(source: str | Path | Mapping[str, Any]) -> tuple[str, dict[str
         )
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"model: cannot read {path} as JSON: {e}") from None
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8, not JSON, or an int past Python's digits limit
+        raise ConfigError(f"model: cannot read {path} as JSON: {str(e).split(';')[0]}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"model: {path} must hold a JSON object")
     return str(path), data

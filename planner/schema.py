@@ -140,6 +140,15 @@ class TimeBreakdown(_Strict):
     optimizer_s: float = Field(default=0.0, ge=0)
 
 
+def binary_size(n: float, digits: int = 2) -> str:
+    """Bytes in the largest binary unit that keeps them at one or more (a tiny model's
+    states do not read 0.00 GiB, nor a 70B model's 1179.79 GiB)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.{digits}f} {unit}"
+    return f"{n:.0f} B"
+
+
 class MemoryBreakdown(_Strict):
     """Bytes per device (the most loaded device)."""
 

@@ -63,6 +63,7 @@ from planner.schema import (
     Prediction,
     SolverStats,
     TimeBreakdown,
+    binary_size,
     fqn_pattern,
     pattern_matches,
 )
@@ -125,15 +126,6 @@ def _heads_text(config: Any) -> str:
     heads, kv = counts
     return f"the {heads} attention heads" if kv == heads else (
         f"the {heads} attention heads and {kv} key/value heads")
-
-
-def _bytes_text(n: float) -> str:
-    """Bytes in the largest binary unit that keeps them above one, so that small
-    (tiny-model or tiny-profile) numbers do not print as 0.0 GiB."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _training_dtype(profile: Profile) -> torch.dtype:
@@ -294,7 +286,7 @@ def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dic
     if pp == 1:
         pred = evaluate(ctx, graph, units, sol)
         if not pred.memory.fits and not lift_memory:  # the layout gathers more than estimated
-            raise InfeasibleError(f"the layout needs {_bytes_text(pred.memory.total)} per device")
+            raise InfeasibleError(f"the layout needs {binary_size(pred.memory.total, 1)} per device")
         return Candidate(ctx, units, sol, pred)
     found = best_pipeline(ctx, graph, units, sol, pp, schedules, math.inf if lift_memory else None,
                           _partial_grads(ctx, graph, units, sol, _placed(sol.choice.values())))
@@ -366,8 +358,8 @@ class Searched:
     def need(self, profile: Profile) -> str:
         """The memory clause of a "does not fit" message ("" when nothing was priced)."""
         return "" if self.leanest == math.inf else (
-            f"; the leanest layout needs {_bytes_text(self.leanest)} per device, "
-            f"{_bytes_text(usable_bytes(profile))} usable on {profile.name}")
+            f"; the leanest layout needs {binary_size(self.leanest, 1)} per device, "
+            f"{binary_size(usable_bytes(profile), 1)} usable on {profile.name}")
 
 
 def _mesh_label(mesh: Mapping[str, int]) -> str:
@@ -453,7 +445,7 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                 note=f"{label}, checkpointing={found.ctx.checkpointing}, "
                      f"microbatches={found.ctx.microbatches}{extra}"))
             progress(f"  {label}: {p.time.step_time_s * 1e3:.1f} ms/step, "
-                     f"{_bytes_text(p.memory.total)}/device")
+                     f"{binary_size(p.memory.total, 1)}/device")
             if best is None or p.time.step_time_s < best.prediction.time.step_time_s:
                 best = found
     return Searched(best, alternatives, leanest, blocked)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from functools import lru_cache
@@ -251,6 +252,9 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
                                            f"at position {cause.start})"}, status_code=400)
         if isinstance(exc.__cause__, RecursionError):
             return JSONResponse({"detail": "body: JSON nested too deeply"}, status_code=400)
+        if isinstance(exc.__cause__, ValueError) and "digits" in str(exc.__cause__):  # Python's int limit
+            return JSONResponse({"detail": f"body: a number has more than {sys.get_int_max_str_digits()} "
+                                           "digits"}, status_code=400)
         return await http_exception_handler(request, exc)
 
     @app.exception_handler(PlannerUnavailable)

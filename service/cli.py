@@ -15,7 +15,7 @@ import sqlite3
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 EXIT_USAGE = 2
 
@@ -26,6 +26,31 @@ class UserError(Exception):
 
 def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _out(text: str) -> None:
+    """``print`` to stdout, a failed write (``> plan.json`` on a full disk) said in one line."""
+    try:
+        print(text)
+    except BrokenPipeError:
+        raise  # the reader went away: main's handling
+    except OSError as e:
+        _stdout_failed(e)
+
+
+def _flush() -> None:
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        _stdout_failed(e)
+
+
+def _stdout_failed(e: OSError) -> NoReturn:
+    # what stays buffered would fail again in the interpreter's exit flush, with a traceback
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise UserError(f"stdout: cannot write: {e.strerror or e}") from None
 
 
 def _require(module: str, name: str) -> Any:
@@ -101,6 +126,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from service.store import default_db_path
 
     db = Path(args.db) if args.db is not None else default_db_path()
+    if args.db is not None and not db.parent.is_dir():  # a typo would start an empty store elsewhere
+        raise UserError(f"--db: directory {db.parent} does not exist")
     _check_listen(args.host, args.port)
     try:
         app = create_app(db, workers=args.workers, default_time_limit_s=args.time_limit)
@@ -173,7 +200,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         _write(args.output, text + "\n")
         _progress(f"wrote {args.output}")
     else:
-        print(text)
+        _out(text)
 
 
 def cmd_estimate(args: argparse.Namespace) -> None:
@@ -185,13 +212,13 @@ def cmd_estimate(args: argparse.Namespace) -> None:
                     virtual_stages=args.virtual_stages, batch_size=batch, seq_len=seq,
                     require_fit=False)  # a layout that does not fit is reported, fits false
     if args.json:
-        print(json.dumps({"batch_size": batch, "seq_len": seq, **estimate_json(pred)}, indent=2))
+        _out(json.dumps({"batch_size": batch, "seq_len": seq, **estimate_json(pred)}, indent=2))
     else:
         from service.terminal import render_prediction
 
-        print(f"{args.model} on {args.devices} x {args.profile}: batch {batch} x seq {seq}, "
+        _out(f"{args.model} on {args.devices} x {args.profile}: batch {batch} x seq {seq}, "
               f"{args.microbatches} micro-batch(es)")
-        print(render_prediction(pred))
+        _out(render_prediction(pred))
 
 
 def estimate_json(pred: Any) -> dict[str, Any]:
@@ -216,10 +243,13 @@ def cmd_show(args: argparse.Namespace) -> None:
         text = Path(args.plan).read_text()
     except OSError as e:
         raise UserError(f"plan: cannot read {args.plan}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"plan: {args.plan} is not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                        f"position {e.start})") from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"plan: {args.plan} is not JSON: {e}") from None
+    except ValueError as e:  # not JSON, or a number past Python's int digits limit (its advice cut)
+        raise UserError(f"plan: {args.plan} is not JSON: {str(e).split(';')[0]}") from None
     if isinstance(data, dict) and "plan" in data and "schema_version" not in data:
         data = data["plan"]  # a saved service response {"id": ..., "plan": {...}}
     try:
@@ -233,7 +263,7 @@ def cmd_show(args: argparse.Namespace) -> None:
     problems = plan.fingerprint_problems()
     if problems:
         raise UserError(f"{args.plan}: {problems[0]} ({len(problems)} problem(s))")
-    print(render_plan(plan))
+    _out(render_plan(plan))
 
 
 def cmd_profiles(_args: argparse.Namespace) -> None:
@@ -241,7 +271,7 @@ def cmd_profiles(_args: argparse.Namespace) -> None:
     load = _require("cost_model.profile", "load_profile")
     # One line per profile with the figures that decide plans; the provenance is in each
     # profile's `source` (GET /v1/profiles/{name}, or the JSON under profiles/).
-    print(f"{'name':24} {'device':6} {'memory':>9}  {'peak':20}  network (devices @ all-reduce busbw)")
+    _out(f"{'name':24} {'device':6} {'memory':>9}  {'peak':20}  network (devices @ all-reduce busbw)")
     for name in shipped():
         prof = load(name)
         # the peak plans are priced at: fp32 on CPUs, bf16 on GPUs (planner.search._training_dtype)
@@ -251,7 +281,7 @@ def cmd_profiles(_args: argparse.Namespace) -> None:
         peak = prof.peak_flops[dtype]
         levels = ", ".join(f"{lv.name} {lv.devices or 'any'} @ {lv.busbw.all_reduce / 1e9:.3g} GB/s"
                            for lv in prof.levels)
-        print(f"{name:24} {prof.device_type:6} {prof.memory_bytes / 2**30:5.1f} GiB "
+        _out(f"{name:24} {prof.device_type:6} {prof.memory_bytes / 2**30:5.1f} GiB "
               f"{peak / 1e12:6.4g} TFLOP/s {dtype:5}  {levels}")
 
 
@@ -269,7 +299,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def cmd_schema(_args: argparse.Namespace) -> None:
     from planner.schema import plan_json_schema
 
-    print(json.dumps(plan_json_schema(), indent=2))
+    _out(json.dumps(plan_json_schema(), indent=2))
 
 
 def _write(path: str, text: str) -> None:
@@ -375,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check(args)
         func(args)
-        sys.stdout.flush()  # a closed pipe shows here, not as a message at exit
+        _flush()  # a closed pipe or a full disk shows here, not as a message at exit
     except (UserError, ValueError, FileNotFoundError) as e:
         print(f"meshplan: error: {_one_line(e, args)}", file=sys.stderr)
         return EXIT_USAGE

@@ -34,6 +34,9 @@ TimeLimit = Annotated[float, Field(strict=True, gt=0, le=MAX_TIME_LIMIT_S, allow
 def parse_text(kind: Any, text: str) -> Any:
     """``text`` (a command-line value) as ``kind``; ValueError with pydantic's message."""
     try:
-        return TypeAdapter(kind).validate_strings(text)
+        value = TypeAdapter(kind).validate_strings(text)
     except ValidationError as e:
         raise ValueError(f"{text!r}: {e.errors()[0]['msg']}") from None
+    if type(value) is int and not text.strip().isdigit():  # string mode reads "2.0" as 2; JSON's 2.0 is refused
+        raise ValueError(f"{text!r}: Input should be a valid integer")
+    return value

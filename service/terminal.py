@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from planner.schema import Plan, Prediction, shard_dim
-
-GIB = 1 << 30
+from planner.schema import Plan, Prediction, binary_size, shard_dim
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -29,13 +27,7 @@ def seconds(s: float | None) -> str:
 
 
 def nbytes(b: int | None) -> str:
-    """In the largest binary unit it reaches (a tiny model's states read 0.00 GiB)."""
-    if b is None:
-        return "-"
-    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(b) >= scale:
-            return f"{b / scale:.2f} {unit}"
-    return f"{b} B"
+    return "-" if b is None else binary_size(b)
 
 
 def _is_embedding(fqn: str) -> bool:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.schema import Plan, plan_json_schema
+from planner.schema import Plan, binary_size, plan_json_schema
 from service.cli import build_parser, main, parse_mesh
 from service.limits import MAX_BATCH_SIZE, MAX_DEVICES
 
@@ -141,9 +141,11 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     spoof = json.loads((Path(__file__).parents[1] / "profiles" / f"{PROFILE}.json").read_text())
     (tmp_path / "spoof.json").write_text(json.dumps({**spoof, "memory_bytes": 2**40}))
     (tmp_path / "notadb.db").write_text("not SQLite\n" * 100)
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe")
+    (tmp_path / "hugeint.json").write_text('{"model_type": "llama", "hidden_size": ' + "9" * 5000 + "}")
     return {name.removesuffix(".json").removesuffix(".db"): str(tmp_path / name)
             for name in ("bert.json", "notjson.json", "notaplan.json", "badprofile.json", "absurdprofile.json",
-                         "spoof.json", "notadb.db")} | {
+                         "spoof.json", "notadb.db", "binary.json", "hugeint.json")} | {
         "missing": str(tmp_path / "missing.json"), "nodir": str(tmp_path / "no" / "such" / "p.json"),
         "shippedname": str(tmp_path / "cpu-gloo-local.json"),
         "dir": str(tmp_path)}
@@ -159,6 +161,12 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["show", "{missing}"], "plan: cannot read"),
     (["show", "{notjson}"], "is not JSON"),
     (["show", "{notaplan}"], "Field required"),
+    # were a bare codec message, and Python's advice to raise its int digits limit
+    (["show", "{binary}"], "binary.json is not UTF-8 text (byte 0xff at position 0)"),
+    (["show", "{hugeint}"], "hugeint.json is not JSON: Exceeds the limit (4300 digits)"),
+    (["plan", "{hugeint}", "--devices", "1", "--profile", PROFILE], "model: cannot read"),
+    # a typo'd directory started an empty store there
+    (["serve", "--port", "0", "--db", "{nodir}"], "--db: directory"),
     (["calibrate", "-o", "{nodir}"], "-o: directory"),
     (["plan", *TINY, "-o", ""], "-o: empty path"),
     (["plan", *TINY, "-o", "{dir}"], "is a directory"),
@@ -219,6 +227,7 @@ def test_argument_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     (["plan", *TINY, "--time-limit", "601"], "--time-limit"),
     (["serve", "--time-limit", "inf"], "--time-limit"),
     (["serve", "--port", "99999"], "--port: '99999' is not a TCP port"),
+    (["plan", *TINY, "--devices", "2.0"], "--devices: '2.0': Input should be a valid integer"),  # was taken as 2
     (["serve", "--port", "-1"], "--port"),
 ])
 def test_values_beyond_the_http_limits_are_argument_errors(argv: list[str], names: str,
@@ -280,6 +289,20 @@ def test_help_reads_well() -> None:
         assert text in " ".join(estimate.split()), estimate
     for text in ("(default: 127.0.0.1)", "(default: 8000)", "(default: 2)", "(default: 60.0)"):
         assert text in " ".join(serve.split()), serve
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_full_disk_under_stdout_is_one_line() -> None:
+    """``meshplan schema > plan.json`` on a full disk gave a traceback."""
+    exe = Path(sys.executable).with_name("meshplan")
+    with open("/dev/full", "w") as full:
+        run = subprocess.run([str(exe), "schema"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr == "meshplan: error: stdout: cannot write: No space left on device\n"
+
+
+def test_memory_reads_in_the_largest_binary_unit() -> None:
+    assert [binary_size(n) for n in (1.15 * 2**40, 3 * 2**30, 512, 1536)] == [
+        "1.15 TiB", "3.00 GiB", "512 B", "1.50 KiB"]  # a 70B model's states read 1179.79 GiB
 
 
 def test_a_closed_stdout_ends_quietly() -> None:

@@ -248,6 +248,8 @@ def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
     ({**TINY, "model": [1]}, 422, 'model: expected a preset name or {"hf_config": {...}}, got array'),
     ({**TINY, "model": {"hf_config": {}, "foo": 1}}, 422, "model.foo: Extra inputs are not permitted"),
     (b'{"model": "\xff"}', 400, "body: not valid UTF-8 JSON (byte 0xff at position 11)"),
+    # past Python's int digits limit: "There was an error parsing the body"
+    (b'{"devices": ' + b"9" * 5000 + b"}", 400, "body: a number has more than 4300 digits"),
 ])
 def test_bad_input_is_a_4xx_naming_the_field(server: ServerProcess, body: object, status: int,
                                              names: str) -> None:
