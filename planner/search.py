@@ -604,7 +604,8 @@ def default_shape(model: Any, devices: int, batch_size: int | None = None,
 
 
 def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
-             seq_len: int | None) -> tuple[nx.DiGraph, Profile, int, int, Any]:
+             seq_len: int | None, say: Progress | None = None) -> tuple[nx.DiGraph, Profile, int, int, Any]:
+    """Graph, profile and workload, the cheap checks before the trace (``say``: its progress line)."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise PlanningError(f"devices: must be a positive integer, got {devices!r}")
     prof = load_profile(profile)
@@ -616,6 +617,8 @@ def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
     config = None if hasattr(model, "named_parameters") else load_config(model)
     batch, seq_len = default_shape(config if config is not None else model, devices, batch_size, seq_len)
     dtype = _training_dtype(prof)
+    if say is not None:
+        say(f"tracing {model if isinstance(model, str) else type(model).__name__} ...")
     graph = _trace_preset(model, seq_len, dtype) if isinstance(model, str) else trace(
         config if config is not None else model, 1, seq_len, dtype)
     return graph, prof, batch, seq_len, config
@@ -645,8 +648,7 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
                                      or not math.isfinite(time_limit_s) or time_limit_s <= 0):
         raise PlanningError(f"time_limit_s: must be a positive number of seconds, got {time_limit_s!r}")
     t0 = time.perf_counter()
-    say(f"tracing {model if isinstance(model, str) else type(model).__name__} ...")
-    graph, prof, batch, seq, config = _resolve(model, devices, profile, batch_size, seq_len)
+    graph, prof, batch, seq, config = _resolve(model, devices, profile, batch_size, seq_len, say)
     divisor = _feature_divisor(graph, config) if config is not None else 1
     meshes = mesh_candidates(devices, prof, divisor, graph.graph["layers"], mesh, pipeline_blocker(graph))
     pins = _constraint_pins(constraints, graph.graph["param_shapes"])

@@ -157,6 +157,16 @@ def _check_listen(host: str, port: int) -> None:
             raise UserError(f"--port: cannot listen on {host}:{port} ({e.strerror})") from None
 
 
+def _check_profile(args: argparse.Namespace) -> None:
+    """``--profile`` read before torch is imported and the model traced (seconds)."""
+    _require("cost_model.profile", "load_profile")(args.profile)
+
+
+def _check_plan(args: argparse.Namespace) -> None:
+    _check_profile(args)
+    _check_output(args)
+
+
 def _check_output(args: argparse.Namespace) -> None:
     """``-o``: fail before minutes of work, not after."""
     if args.output is None:
@@ -347,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", type=parse_mesh, help="force a mesh, e.g. dp=8,tp=8 (default: search)")
     p.add_argument("--time-limit", type=_limited("TimeLimit"), help="solver time limit in seconds (default: none)")
     p.add_argument("-o", "--output", help="write the plan here instead of printing it")
-    p.set_defaults(func=cmd_plan, check=_check_output)
+    p.set_defaults(func=cmd_plan, check=_check_plan)
 
     p = sub.add_parser("estimate", help="predict step time and memory of one configuration")
     _workload_args(p)
@@ -366,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--virtual-stages", type=_positive, default=1,
                    help="pipeline stages per rank, with --schedule interleaved-1f1b (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_estimate)
+    p.set_defaults(func=cmd_estimate, check=_check_profile)
 
     p = sub.add_parser("show", help="terminal view of a plan.json")
     p.add_argument("plan", help="path to a plan JSON")

@@ -208,6 +208,15 @@ def test_user_mistakes_are_one_line_and_exit_2(argv: list[str], names: str, bad_
     assert "Traceback" not in captured.err and not captured.out
 
 
+@pytest.mark.parametrize("command", ["plan", "estimate"])
+def test_a_bad_profile_is_refused_before_the_trace(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A typo'd profile was reported after torch's import and the trace (seconds for a big model)."""
+    extra = ["--dp", "2", "--tp", "1"] if command == "estimate" else []
+    assert main([command, "llama3-405b", "--devices", "2", "--profile", "nope", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshplan: error: profile: 'nope' is neither") and "tracing" not in err, err
+
+
 def test_argument_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["plan", "llama-tiny", "--profile", PROFILE], ["plan", *TINY, "--mesh", "dp=x"],
                  ["estimate", *TINY, "--dp", "2", "--tp", "1", "--checkpointing", "some"], ["bogus"]):
