@@ -54,6 +54,18 @@ def test_show_renders_the_essentials(plan_file: Path, capsys: pytest.CaptureFixt
         assert " x ".join(f"{k}={v}" for k, v in alt.mesh.items()) in out
 
 
+def test_show_leaves_fits_blank_for_meshes_never_priced(plan_file: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A mesh the time limit skipped read "fits: no" (review)."""
+    data = json.loads(plan_file.read_text())
+    data["solver"]["alternatives"].append({"mesh": {"dp": 1, "tp": 2}, "step_time_s": None, "fits": False,
+                                           "note": "skipped (time limit)"})
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    assert main(["show", str(tmp_path / "p.json")]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "skipped (time limit)" in line)
+    assert row.split()[-6:] == ["-", "-", "-", "skipped", "(time", "limit)"], row
+
+
 def test_show_accepts_a_saved_service_response(plan_file: Path, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     saved = tmp_path / "response.json"

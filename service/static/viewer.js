@@ -248,7 +248,7 @@ function alternativesSection(plan) {
     el("tbody", {}, alts.map((a) => el("tr", { class: meshText(a.mesh) === chosen && a.step_time_s === plan.prediction.time.step_time_s ? "chosen" : "" },
       el("td", { class: "mono" }, meshText(a.mesh)), el("td", { class: "num" }, fmtS(a.step_time_s)),
       el("td", { class: "num" }, a.peak_memory_bytes === null ? "—" : fmtBytes(a.peak_memory_bytes)),
-      el("td", {}, a.fits ? "yes" : "no"), el("td", {}, a.note))))));
+      el("td", {}, a.step_time_s === null ? "—" : a.fits ? "yes" : "no"), el("td", {}, a.note))))));
 }
 
 function solverSection(plan) {
