@@ -18,6 +18,7 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+_PRINTABLE = r"^[^\x00-\x1f\x7f]+$"  # names are printed in one-line notes and tables
 
 
 class _Strict(BaseModel):
@@ -71,7 +72,7 @@ class NetworkLevel(_Strict):
     them for the group sizes a calibration measured (see cost_model.comm).
     """
 
-    name: str = Field(min_length=1, description="label, e.g. nvlink, ib, loopback")
+    name: str = Field(min_length=1, max_length=255, pattern=_PRINTABLE, description="label, e.g. nvlink, ib, loopback")
     devices: int | None = Field(
         ge=1,
         description="devices reachable at this level (8 for an 8-GPU node); "
@@ -118,7 +119,8 @@ class FsdpOverhead(_Strict):
 class Profile(_Strict):
     """Per-device compute and memory plus the network, innermost level first."""
 
-    name: str = Field(min_length=1, description="profile name, e.g. h100-sxm-80g")
+    name: str = Field(min_length=1, max_length=255, pattern=_PRINTABLE,
+                      description="profile name, e.g. h100-sxm-80g (calibrate: the output file's stem)")
     source: str = Field(default="", description="where the numbers come from")
     device_type: Literal["cuda", "cpu"] = Field(description="torch device type")
     peak_flops: dict[str, PositiveFloat] = Field(

@@ -121,6 +121,10 @@ def test_unknown_profile_name_lists_shipped_names(tmp_path):
         (("kernel_floor_s",), float("inf"), "kernel_floor_s: Input should be a finite number"),
         (("levels", 0, "latency_s"), float("nan"), "levels.0.latency_s: Input should be a finite number"),
         (("peak_flops", "bf16"), float("inf"), "peak_flops.bf16: Input should be a finite number"),
+        # printed raw in one-line notes, or 100 KB of it in every plan list entry (review)
+        (("name",), "toy\nnote: fits", "name: String should match pattern"),
+        (("name",), "x" * 256, "name: String should have at most 255 characters"),
+        (("levels", 0, "name"), "", "levels.0.name: String should have at least 1 character"),
     ],
 )
 def test_profile_errors_name_the_field(path, value, loc):
