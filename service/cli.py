@@ -15,7 +15,7 @@ import sqlite3
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 EXIT_USAGE = 2
 
@@ -28,29 +28,20 @@ def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _out(text: str) -> None:
-    """``print`` to stdout, a failed write (``> plan.json`` on a full disk) said in one line."""
+def _out(text: str | None = None) -> None:
+    """``print`` to stdout (``None``: flush it); a failed write (``> plan.json`` on a full
+    disk) said in one line."""
     try:
-        print(text)
+        if text is None:
+            sys.stdout.flush()
+        else:
+            print(text)
     except BrokenPipeError:
         raise  # the reader went away: main's handling
     except OSError as e:
-        _stdout_failed(e)
-
-
-def _flush() -> None:
-    try:
-        sys.stdout.flush()
-    except BrokenPipeError:
-        raise
-    except OSError as e:
-        _stdout_failed(e)
-
-
-def _stdout_failed(e: OSError) -> NoReturn:
-    # what stays buffered would fail again in the interpreter's exit flush, with a traceback
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    raise UserError(f"stdout: cannot write: {e.strerror or e}") from None
+        # what stays buffered would fail again in the interpreter's exit flush, with a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise UserError(f"stdout: cannot write: {e.strerror or e}") from None
 
 
 def _require(module: str, name: str) -> Any:
@@ -227,7 +218,7 @@ def cmd_estimate(args: argparse.Namespace) -> None:
         from service.terminal import render_prediction
 
         _out(f"{args.model} on {args.devices} x {args.profile}: batch {batch} x seq {seq}, "
-              f"{args.microbatches} micro-batch(es)")
+             f"{args.microbatches} micro-batch(es)")
         _out(render_prediction(pred))
 
 
@@ -292,7 +283,7 @@ def cmd_profiles(_args: argparse.Namespace) -> None:
         levels = ", ".join(f"{lv.name} {lv.devices or 'any'} @ {lv.busbw.all_reduce / 1e9:.3g} GB/s"
                            for lv in prof.levels)
         _out(f"{name:24} {prof.device_type:6} {prof.memory_bytes / 2**30:5.1f} GiB "
-              f"{peak / 1e12:6.4g} TFLOP/s {dtype:5}  {levels}")
+             f"{peak / 1e12:6.4g} TFLOP/s {dtype:5}  {levels}")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -415,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check(args)
         func(args)
-        _flush()  # a closed pipe or a full disk shows here, not as a message at exit
+        _out()  # flushed: a closed pipe or a full disk shows here, not as a message at exit
     except (UserError, ValueError, FileNotFoundError) as e:
         print(f"meshplan: error: {_one_line(e, args)}", file=sys.stderr)
         return EXIT_USAGE
