@@ -352,6 +352,13 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
         return FileResponse(STATIC_DIR / "index.html", headers={"Content-Security-Policy": VIEWER_CSP})
 
     app.get("/", include_in_schema=False)(viewer)
-    app.get("/plans/{plan_id}", include_in_schema=False)(viewer)
+    # every /plans address is the page, whose "no plan" error names what is not an id
+    # (/plans/, /plans/a/b answered FastAPI's JSON 404)
+    app.get("/plans", include_in_schema=False)(viewer)
+    app.get("/plans/{plan_id:path}", include_in_schema=False)(viewer)
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon() -> Response:  # browsers ask on every page; a 404 logs a console error
+        return Response(status_code=204)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

@@ -105,6 +105,11 @@ def test_plan_page_shows_mesh_placements_memory_and_json_tree(served_plan: tuple
             assert (kind == "pl-replicated") == (placement == "R"), cell
 
     assert page.within("memory-bar", cls="seg-parameters") and page.within("time-bar", cls="seg-compute")
+    # the time bar's parts add up to the step: resharding is part of the exposed
+    # communication, and was drawn a second time beside it (review)
+    widths = [float(re.search(r"width: ([\d.e-]+)%", seg["style"]).group(1))
+              for seg in page.within("time-bar", tag="span") if seg.get("class", "").startswith("seg-")]
+    assert sum(widths) == pytest.approx(100, abs=0.1), widths
     assert len(page.within("json-tree", cls="json-formatter-row")) > 5
     assert page.within("main", tag="button")[0]["id"] == "download"
     if plan.solver.alternatives:
@@ -118,6 +123,11 @@ def test_index_lists_plans_with_links(served_plan: tuple[ServerProcess, str, Pla
     assert f"/plans/{plan_id}" in links
 
 
+def test_the_browsers_favicon_request_is_answered(served_plan: tuple[ServerProcess, str, Plan]) -> None:
+    """A 404 there logged a console error on every page (review)."""
+    assert served_plan[0].request("GET", "/favicon.ico")[0] == 204
+
+
 def test_unknown_plan_shows_an_error(served_plan: tuple[ServerProcess, str, Plan]) -> None:
     server, _, _ = served_plan
     page = Elements(render(f"{server.url}/plans/{'0' * 20}"))
@@ -125,7 +135,8 @@ def test_unknown_plan_shows_an_error(served_plan: tuple[ServerProcess, str, Plan
     assert "no plan" in " ".join(page.text)
 
 
-@pytest.mark.parametrize("address", ["ABCDEF0123", "not-an-id", "%C3%A9t%C3%A9", "0" * 20 + "/"])
+@pytest.mark.parametrize("address", ["ABCDEF0123", "not-an-id", "%C3%A9t%C3%A9", "0" * 20 + "/",
+                                     "", "a/b"])  # the last two: FastAPI's JSON 404 (review)
 def test_a_plan_address_of_any_form_names_no_plan(served_plan: tuple[ServerProcess, str, Plan],
                                                   address: str) -> None:
     """An id the page cannot take is a plan that is not there, not the list of plans."""

@@ -2,7 +2,6 @@
 // Every value from a plan is written with textContent (never innerHTML).
 "use strict";
 
-const GiB = 1024 ** 3;
 const RANK_COLOURS = ["#4c8bf5", "#f29d38", "#3fae6a", "#9b6ad6", "#e0567a", "#2aa3b8", "#a08a3c", "#6b7385"];
 const MAX_RANKS_DRAWN = 1024;
 // The grid wraps a long last dim (a 1-D dp=1024 mesh would be one row as wide as 1024 cells).
@@ -27,8 +26,18 @@ function el(tag, attrs, ...children) {
   return node;
 }
 
-const fmtGiB = (b) => (b / GiB).toFixed(b < 10 * GiB ? 2 : 1) + " GiB";
-const fmtBytes = (b) => (b >= GiB / 10 ? fmtGiB(b) : (b / 1024 ** 2).toFixed(2) + " MiB");
+// The largest binary unit that keeps the value at one or more, as the CLI prints it
+// (planner.schema.binary_size).
+const fmtBytes = (b) => {
+  for (const [unit, size] of [["TiB", 1024 ** 4], ["GiB", 1024 ** 3], ["MiB", 1024 ** 2], ["KiB", 1024]]) {
+    if (Math.abs(b) >= size) return (b / size).toFixed(2) + " " + unit;
+  }
+  return b.toFixed(0) + " B";
+};
+const fmtShare = (part, whole) => {
+  const pct = (100 * part) / Math.max(whole, 1);
+  return pct > 0 && pct < 0.1 ? "<0.1%" : pct.toFixed(1) + "%";
+};
 const fmtS = (s) => (s === null || s === undefined ? "—" : s >= 1 ? s.toFixed(3) + " s" : (s * 1e3).toFixed(2) + " ms");
 const meshText = (m) => Object.entries(m).map(([k, v]) => `${k}=${v}`).join(" × ");
 
@@ -220,20 +229,24 @@ function memorySection(plan) {
   return section("Memory per device (most loaded device)",
     el("div", { id: "memory-bar" }, stackedBar(parts, scale, m.capacity)), legendRow(parts, fmtBytes),
     el("p", { class: m.fits ? "muted" : "error" },
-      `total ${fmtBytes(m.total)} of ${fmtBytes(m.capacity)} capacity (${((100 * m.total) / Math.max(m.capacity, 1)).toFixed(1)}%)`,
+      `total ${fmtBytes(m.total)} of ${fmtBytes(m.capacity)} capacity (${fmtShare(m.total, m.capacity)})`,
       m.usable == null ? "" : `, ${fmtBytes(m.usable)} usable after the planner's headroom`,
       m.fits ? "" : " — does not fit"));
 }
 
 function timeSection(plan) {
   const t = plan.prediction.time, p = plan.prediction;
-  const parts = [["compute", t.compute_s], ["exposed_communication", t.exposed_communication_s], ["resharding", t.resharding_s],
+  // resharding is the blocking part of the exposed communication (cost_model.step): drawn
+  // apart from the rest of it, so that the parts add up to the step
+  const parts = [["compute", t.compute_s], ["resharding", t.resharding_s],
+    ["other_exposed_communication", Math.max(0, t.exposed_communication_s - t.resharding_s)],
     ["pipeline_bubble", t.pipeline_bubble_s], ["optimizer_step", t.optimizer_s]];
   return section("Predicted step time",
     el("div", { class: "facts" }, el("span", {}, "step ", el("b", {}, fmtS(t.step_time_s))),
       el("span", {}, "tokens/s/device ", el("b", {}, Math.round(p.tokens_per_s_per_device).toLocaleString())),
       el("span", {}, "MFU ", el("b", {}, (100 * p.mfu).toFixed(1) + "%")),
-      el("span", {}, "all communication (overlapped or not) ", el("b", {}, fmtS(t.communication_s)))),
+      el("span", {}, "all communication (overlapped or not) ", el("b", {}, fmtS(t.communication_s))),
+      t.recompute_s > 0 ? el("span", {}, "of the compute, recomputation ", el("b", {}, fmtS(t.recompute_s))) : null),
     el("div", { id: "time-bar" }, stackedBar(parts, Math.max(parts.reduce((a, q) => a + q[1], 0), t.step_time_s, 1e-12))),
     legendRow(parts, fmtS));
 }
@@ -248,7 +261,7 @@ function alternativesSection(plan) {
     el("tbody", {}, alts.map((a) => el("tr", { class: meshText(a.mesh) === chosen && a.step_time_s === plan.prediction.time.step_time_s ? "chosen" : "" },
       el("td", { class: "mono" }, meshText(a.mesh)), el("td", { class: "num" }, fmtS(a.step_time_s)),
       el("td", { class: "num" }, a.peak_memory_bytes === null ? "—" : fmtBytes(a.peak_memory_bytes)),
-      el("td", {}, a.step_time_s === null ? "—" : a.fits ? "yes" : "no"), el("td", {}, a.note))))));
+      el("td", {}, a.note.startsWith("skipped") ? "—" : a.fits ? "yes" : "no"), el("td", {}, a.note))))));
 }
 
 function solverSection(plan) {
@@ -299,7 +312,7 @@ async function route() {
   const main = document.getElementById("main");
   // The server serves this page on / and /plans/{anything}: every /plans/ address is one
   // plan's page, and one whose id is not of an id's form names no plan, like an unknown id.
-  const m = location.pathname.match(/^\/plans\/([^/]*)\/?$/);
+  const m = location.pathname.match(/^\/plans\/(.*?)\/?$/);
   try {
     if (!m) return await showList(main);
     let id = m[1];
