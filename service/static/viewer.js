@@ -105,7 +105,7 @@ function groupText(dim, sizes, g) {
 function meshSection(plan) {
   const dims = plan.mesh.dims, sizes = dims.map((d) => d.size), total = plan.mesh.dims.reduce((a, d) => a * d.size, 1);
   const last = sizes[sizes.length - 1], cols = Math.min(last, MAX_GRID_COLUMNS);
-  const grid = el("div", { class: "mesh", id: "mesh-grid", style: { gridTemplateColumns: `repeat(${cols}, auto)` } });
+  const grid = el("div", { class: "mesh", id: "mesh-grid", style: { gridTemplateColumns: `repeat(${cols}, max-content)` } });
   for (let r = 0; r < Math.min(total, MAX_RANKS_DRAWN); r++) {
     const c = coordsOf(r, sizes);
     // Colour by the outermost dim's coordinate so its groups read as blocks.
