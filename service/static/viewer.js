@@ -332,23 +332,41 @@ async function route() {
 // what is missing (drawing it would fail on the first absent field, with the browser's
 // "Cannot read properties of undefined").
 const SCHEMA_VERSION = "1.0";
-const PLAN_FIELDS = ["schema_version", "model", "profile", "devices", "batch_size", "seq_len", "mesh",
+const PLAN_FIELDS = ["model", "profile", "devices", "batch_size", "seq_len", "mesh",
   "parameters", "prediction", "fingerprint", "solver"];
 
+// The schema's defaults for what a valid plan may leave out (planner.schema), so that a
+// file pydantic and the JSON Schema accept is drawn, as `meshplan show` shows it.
+function withDefaults(plan) {
+  const p = { schema_version: SCHEMA_VERSION, modules: [], data_parallel: [], pipeline: null, microbatches: 1,
+    activation_checkpointing: "none", ...plan };
+  p.mesh = { device_type: "cuda", ...p.mesh };
+  p.modules = p.modules.map((m) => ({ input: null, output: null, ...m }));
+  if (p.pipeline) p.pipeline = { dim: "pp", virtual_stages: 1, ...p.pipeline };
+  p.solver = { gap: null, unsupported_ops: {}, alternatives: [], ...p.solver };
+  p.solver.alternatives = p.solver.alternatives.map((a) => ({ peak_memory_bytes: null, note: "", ...a }));
+  p.prediction = { ...p.prediction,
+    time: { recompute_s: 0, resharding_s: 0, pipeline_bubble_s: 0, optimizer_s: 0, ...p.prediction.time },
+    memory: { fsdp_gathered: 0, usable: null, ...p.prediction.memory } };
+  return p;
+}
+
+// [plan with its defaults, the stored id of a {"id", "plan"} answer or undefined]
 function planOfFile(data) {
   const isObject = (v) => v !== null && typeof v === "object" && !Array.isArray(v);
-  const plan = isObject(data) && isObject(data.plan) ? data.plan : data;
+  const answer = isObject(data) && isObject(data.plan);
+  const plan = answer ? data.plan : data;
   if (!isObject(plan)) throw new Error("not a meshplan plan: the file holds no JSON object");
   const missing = PLAN_FIELDS.filter((k) => !(k in plan));
   if (missing.length) {
     throw new Error(`not a meshplan plan: no ${missing.map((k) => JSON.stringify(k)).join(", ")} ` +
       "(open a plan written by `meshplan plan -o` or downloaded from this page)");
   }
-  if (plan.schema_version !== SCHEMA_VERSION) {
+  if ((plan.schema_version ?? SCHEMA_VERSION) !== SCHEMA_VERSION) {
     throw new Error(`schema_version: ${JSON.stringify(plan.schema_version)}; this viewer reads plans of ` +
       `schema ${SCHEMA_VERSION}`);
   }
-  return plan;
+  return [withDefaults(plan), answer ? data.id : undefined];
 }
 
 // Draws the plan in `text` (a file's contents), or an error naming the file.
@@ -356,8 +374,8 @@ function openPlanText(name, text) {
   const main = document.getElementById("main");
   try {
     const data = JSON.parse(text);
-    const plan = planOfFile(data);
-    showPlan(main, plan, plan === data ? undefined : data.id);
+    const [plan, id] = planOfFile(data);
+    showPlan(main, plan, id);
   } catch (e) {
     main.replaceChildren(el("p", { class: "error", id: "error" }, `${name}: ${e.message}`));
   }
