@@ -133,6 +133,7 @@ def test_unknown_plan_shows_an_error(served_plan: tuple[ServerProcess, str, Plan
     page = Elements(render(f"{server.url}/plans/{'0' * 20}"))
     assert page.within("main", cls="error")
     assert "no plan" in " ".join(page.text)
+    assert [a["href"] for a in page.within("main", tag="a")] == ["/"]  # a way back (review)
 
 
 @pytest.mark.parametrize("address", ["ABCDEF0123", "not-an-id", "%C3%A9t%C3%A9", "0" * 20 + "/",
@@ -223,6 +224,7 @@ def test_a_pipeline_plan_names_each_parameters_stages(served_plan: tuple[ServerP
     assert labels["model.embed_tokens.weight"] == "R: whole on the ranks of stage 0 only"
     assert labels["lm_head.weight"] == f"R: whole on the ranks of stage {len(stages) - 1} only"
     assert labels["model.layers.*.mlp.up_proj.weight"] == f"R: whole on the ranks of stages 0–{len(stages) - 1} only"
+    assert len(page.within("pipeline", tag="th")) == 3  # the stage table had no header row (review)
 
 
 def _open_file(tmp_path: Path, name: str, text: str) -> Elements:
@@ -258,6 +260,12 @@ def test_opening_a_file_draws_a_plan_or_names_what_is_wrong(
     page = _open_file(tmp_path, "lean.json", json.dumps(lean))
     assert not page.within("main", cls="error"), " ".join(page.text)
     assert page.within("mesh-grid", cls="rank") and page.within("time-bar", cls="seg-compute")
+    # a search the time limit ended says so (the Solver section read "Optimal", review)
+    limited = json.loads(json.dumps(answer["plan"]))
+    limited["solver"]["alternatives"].append({"mesh": {"dp": 1, "tp": 2}, "step_time_s": None, "fits": False,
+                                              "note": "skipped (time limit)"})
+    page = _open_file(tmp_path, "limited.json", json.dumps(limited))
+    assert any(t.startswith("The time limit ended the search: 1 of ") for t in page.text), page.text
 
     def error(name: str, text: str) -> str:
         page = _open_file(tmp_path, name, text)

@@ -197,7 +197,9 @@ function placementSection(plan) {
     el("tbody", {}, rows));
   const out = [legend, el("div", { class: "scroll" }, table)];
   if (plan.modules.length) {
-    out.push(el("h2", {}, "Activation layouts (sequence parallel)"), el("table", { id: "module-table" },
+    // one placement per mesh dim, in the mesh's order (a batch split over dp is S(0) there)
+    out.push(el("h2", {}, `Activation layouts (per mesh dim: ${dims.map((d) => d.name).join(", ")})`),
+      el("table", { id: "module-table" },
       el("thead", {}, el("tr", {}, ["module", "input", "output"].map((h) => el("th", {}, h)))),
       el("tbody", {}, plan.modules.map((m) => el("tr", {}, el("td", { class: "mono" }, m.module),
         el("td", { class: "mono" }, m.input ? m.input.join(", ") : "—"),
@@ -270,7 +272,10 @@ function solverSection(plan) {
     ["solve time", fmtS(s.solve_time_s)], ["total planning time", fmtS(s.total_time_s)],
     ["objective", s.objective.toPrecision(6)], ["gap", s.gap === null ? "—" : s.gap]];
   const unsupported = Object.entries(s.unsupported_ops);
+  const skipped = s.alternatives.filter((a) => a.note.startsWith("skipped")).length;
   return section("Solver", el("div", { class: "facts" }, facts.map(([k, v]) => el("span", {}, `${k} `, el("b", {}, v)))),
+    skipped ? el("p", { id: "time-limited" }, `The time limit ended the search: ${skipped} of ` +
+      `${s.alternatives.length} alternatives were not tried (marked "skipped" above).`) : null,
     unsupported.length ? el("p", {}, "Ops with no sharding rule (replicated): ",
       el("span", { class: "mono" }, unsupported.map(([op, n]) => `${op} ×${n}`).join(", "))) : null);
 }
@@ -279,7 +284,9 @@ function pipelineSection(plan) {
   const p = plan.pipeline;
   if (!p) return null;
   return section(`Pipeline: ${p.schedule}, ${p.stages.length} stages on ${p.dim}, ${p.virtual_stages} per rank`,
-    el("table", { id: "pipeline" }, el("tbody", {}, p.stages.map((s) => el("tr", {},
+    el("table", { id: "pipeline" },
+      el("thead", {}, el("tr", {}, ["stage", "predicted time per rank", "modules"].map((h) => el("th", {}, h)))),
+      el("tbody", {}, p.stages.map((s) => el("tr", {},
       el("td", {}, `stage ${s.index}`), el("td", { class: "num" }, fmtS(s.predicted_time_s)),
       el("td", { class: "mono" }, s.modules.length > 4 ? `${s.modules[0]} … ${s.modules[s.modules.length - 1]} (${s.modules.length})` : s.modules.join(", ")))))));
 }
@@ -323,7 +330,8 @@ async function route() {
     if (!res.ok) throw new Error(body.detail || `GET /v1/plans/${id}: ${res.status}`);
     showPlan(main, body.plan, body.id);
   } catch (e) {
-    main.replaceChildren(el("p", { class: "error", id: "error" }, String(e.message || e)));
+    main.replaceChildren(el("p", { class: "error", id: "error" }, String(e.message || e)),
+      el("p", {}, el("a", { href: "/" }, "all stored plans")));
   }
 }
 
