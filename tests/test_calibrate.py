@@ -164,13 +164,18 @@ def test_ctrl_c_stops_every_rank_at_once(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "calibrate", "-o", str(tmp_path / "p.json")],
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     parent = psutil.Process(proc.pid)
+
+    def ranks() -> list[psutil.Process]:  # torch.multiprocessing's spawned ranks (not its resource tracker)
+        return [p for p in parent.children() if "spawn_main" in " ".join(p.cmdline())]
+
     deadline = time.monotonic() + 60
-    while len(parent.children()) < 4 and time.monotonic() < deadline:  # the 4 ranks have started
+    while len(ranks()) < 4 and time.monotonic() < deadline:
         time.sleep(0.2)
-    ranks = parent.children(recursive=True)
-    time.sleep(2)  # inside the measurements
+    started = ranks()
+    assert len(started) == 4, started  # else the check below would pass on no ranks at all
+    time.sleep(2)  # into the ranks' start-up and first measurements
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and err.strip().endswith("meshplan: interrupted"), err
     assert "Traceback" not in err
-    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
