@@ -109,9 +109,12 @@ def render_plan(plan: Plan) -> str:
             for m in plan.modules]))
     if plan.pipeline is not None:
         pp = plan.pipeline
-        out.append(f"pipeline: {pp.schedule} on {pp.dim}, {len(pp.stages)} stages, {pp.virtual_stages} per rank")
-        out.append(table(["stage", "time", "modules"], [
-            (s.index, seconds(s.predicted_time_s),
+        ranks = mesh.size_of(pp.dim)
+        per_rank = pp.virtual_stages > 1 and len(pp.stages) == ranks  # dealt out to virtual stages by apply
+        out.append(f"pipeline: {pp.schedule} on {pp.dim}={ranks}, {len(pp.stages)} stages, {pp.virtual_stages} per rank"
+                   + (" (each row one rank's layers, dealt out in model order to its virtual stages)" if per_rank else ""))
+        out.append(table(["stage", f"{pp.dim} rank", "time", "modules"], [
+            (s.index, s.index if per_rank else s.index % ranks, seconds(s.predicted_time_s),
              f"{s.modules[0]} .. {s.modules[-1]} ({len(s.modules)})" if len(s.modules) > 3 else ", ".join(s.modules))
             for s in pp.stages]))
     out.append(render_prediction(plan.prediction))

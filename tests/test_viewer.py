@@ -224,21 +224,43 @@ def test_a_pipeline_plan_names_each_parameters_stages(served_plan: tuple[ServerP
     assert labels["model.embed_tokens.weight"] == "R: whole on the ranks of stage 0 only"
     assert labels["lm_head.weight"] == f"R: whole on the ranks of stage {len(stages) - 1} only"
     assert labels["model.layers.*.mlp.up_proj.weight"] == f"R: whole on the ranks of stages 0–{len(stages) - 1} only"
-    assert len(page.within("pipeline", tag="th")) == 3  # the stage table had no header row (review)
+    assert len(page.within("pipeline", tag="th")) == 4  # the stage table had no header row (review)
 
 
-def _open_file(tmp_path: Path, name: str, text: str) -> Elements:
+def _open_file(tmp_path: Path, name: str, text: str, then: str = "") -> Elements:
     """The page after opening a file named ``name`` holding ``text`` with its file picker
-    (what the picker's change handler runs; headless Chromium cannot pick a file)."""
+    (what the picker's change handler runs; headless Chromium cannot pick a file), and
+    after the script ``then``, run half a second later."""
     harness = tmp_path / "open.html"
     harness.write_text(
-        '<!doctype html><html><body><input type="file" id="open-file"><main id="main"></main>'
+        '<!doctype html><html><head>'
+        f'<link rel="stylesheet" href="{(STATIC_DIR / "viewer.css").as_uri()}"></head>'
+        '<body><input type="file" id="open-file"><main id="main"></main>'
         f'<script src="{(STATIC_DIR / "vendor" / "json-formatter.umd.js").as_uri()}"></script>'
         f'<script src="{(STATIC_DIR / "viewer.js").as_uri()}"></script>'
         # after the page's own routing, which finds no server behind a file:// page
-        f"<script>setTimeout(() => openPlanText({json.dumps(name)}, {json.dumps(text)}), 1000);</script>"
+        f"<script>setTimeout(() => openPlanText({json.dumps(name)}, {json.dumps(text)}), 1000);"
+        f"setTimeout(() => {{ {then} }}, 1500);</script>"
         "</body></html>")
     return Elements(render(harness.as_uri()))
+
+
+# The lowest contrast of white text on its element's fill in the page (WCAG's ratio of
+# relative luminances), written into <pre id="probe">.
+_WHITE_TEXT_CONTRAST = """
+const lin = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+const lum = (rgb) => { const [r, g, b] = rgb.match(/[\\d.]+/g).map(Number); return 0.2126 * lin(r) + 0.7152 * lin(g) + 0.0722 * lin(b); };
+let worst = Infinity, count = 0;
+for (const node of document.querySelectorAll("main *")) {
+  const style = getComputedStyle(node);
+  if (style.color !== "rgb(255, 255, 255)" || !node.textContent.trim()) continue;
+  let fill = node;
+  while (fill && getComputedStyle(fill).backgroundColor === "rgba(0, 0, 0, 0)") fill = fill.parentElement;
+  worst = Math.min(worst, 1.05 / (lum(getComputedStyle(fill).backgroundColor) + 0.05));
+  count++;
+}
+document.body.append(Object.assign(document.createElement("pre"), { id: "probe", textContent: `${count} ${worst}` }));
+"""
 
 
 def test_opening_a_file_draws_a_plan_or_names_what_is_wrong(
@@ -279,3 +301,53 @@ def test_opening_a_file_draws_a_plan_or_names_what_is_wrong(
     future = {**answer["plan"], "schema_version": "2.0"}
     assert error("new.json", json.dumps(future)) == (
         'new.json: schema_version: "2.0"; this viewer reads plans of schema 1.0')
+
+
+def test_the_page_can_be_read_and_used_without_a_mouse(
+        served_plan: tuple[ServerProcess, str, Plan], tmp_path: Path) -> None:
+    """Review: white text on the rank and placement colours read at 2.2-3.9:1, the JSON
+    tree's togglers were not reachable from the keyboard, the list and error pages had no
+    heading."""
+    server, plan_id, _ = served_plan
+    plan = server.get(f"/v1/plans/{plan_id}")["plan"]
+    page = _open_file(tmp_path, "plan.json", json.dumps(plan), _WHITE_TEXT_CONTRAST)
+    count, worst = next(t for t in page.text if re.fullmatch(r"\d+ [\d.]+|\d+ Infinity", t)).split()
+    assert int(count) > 10 and float(worst) >= 4.5, (count, worst)  # WCAG AA for text
+
+    togglers = page.within("json-tree", tag="a", cls="json-formatter-toggler-link")
+    assert togglers and all(a.get("tabindex") == "0" and a.get("role") == "button" for a in togglers)
+    assert togglers[0]["aria-expanded"] == "true"  # the root is drawn open
+    before = len(page.within("json-tree", cls="json-formatter-row"))
+    # Enter on the first closed toggler (the "mesh" object) opens it, as a click does
+    press = ("const a = [...document.querySelectorAll('#json-tree a.json-formatter-toggler-link')]"
+             ".find((t) => t.getAttribute('aria-expanded') === 'false'); a.focus();"
+             "a.dispatchEvent(new KeyboardEvent('keydown', { key: 'Enter', bubbles: true }));")
+    page = _open_file(tmp_path, "plan.json", json.dumps(plan), press)
+    assert len(page.within("json-tree", cls="json-formatter-row")) > before
+    assert [a["aria-expanded"] for a in page.within("json-tree", tag="a", cls="json-formatter-toggler-link")][1] == "true"
+
+    assert Elements(render(f"{server.url}/")).within("main", tag="h1")
+    assert Elements(render(f"{server.url}/plans/{'0' * 20}")).within("main", tag="h1")
+
+
+def test_an_interleaved_pipeline_shows_each_stages_rank(tmp_path: Path) -> None:
+    """Virtual stage s runs on pp rank s % pp; the table listed stages without their
+    ranks, so an interleaved plan read as if stage 2 ran on a third rank (review)."""
+    from transformers import LlamaConfig
+
+    from planner import hand_plan
+    from service.terminal import render_plan
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    plan = hand_plan(config, devices=2, profile=PROFILE, pp=2, schedule="interleaved-1f1b", virtual_stages=2,
+                     microbatches=4, batch_size=8, seq_len=32)
+    assert len(plan.pipeline.stages) == 4
+    page = _open_file(tmp_path, "interleaved.json", plan.to_json())
+    rows = [t.strip() for t in page.text if t.strip()]
+    at = rows.index("predicted time per virtual stage")
+    cells = rows[at + 2:]
+    assert [cells[i * 4:i * 4 + 2] for i in range(4)] == [["stage 0", "0"], ["stage 1", "1"], ["stage 2", "0"],
+                                                          ["stage 3", "1"]], cells[:16]
+    table = render_plan(plan)
+    assert re.search(r"^2 +0 ", table, re.M) and re.search(r"^3 +1 ", table, re.M), table

@@ -2,7 +2,10 @@
 // Every value from a plan is written with textContent (never innerHTML).
 "use strict";
 
-const RANK_COLOURS = ["#4c8bf5", "#f29d38", "#3fae6a", "#9b6ad6", "#e0567a", "#2aa3b8", "#a08a3c", "#6b7385"];
+// A rank tile's fill, by its outermost coordinate: hues a golden angle apart, so no two
+// neighbouring blocks look alike however many there are (8 fixed colours repeated), dark
+// enough that the tile's white text reads at >= 5:1 whatever the hue.
+const rankColour = (c) => `hsl(${((215 + c * 137.508) % 360).toFixed(1)} 60% 28%)`;  // blue first
 const MAX_RANKS_DRAWN = 1024;
 // The grid wraps a long last dim (a 1-D dp=1024 mesh would be one row as wide as 1024 cells).
 const MAX_GRID_COLUMNS = 16;
@@ -74,7 +77,7 @@ async function showList(main) {
     el("td", {}, p.model), el("td", { class: "num" }, p.devices), el("td", {}, p.profile),
     el("td", { class: "mono" }, meshText(p.mesh)), el("td", { class: "num" }, fmtS(p.step_time_s)),
     el("td", {}, new Date(p.created * 1000).toLocaleString())));
-  main.replaceChildren(section(`Plans (${data.total})`, pager(offset, limit, rows.length, data.total),
+  main.replaceChildren(el("section", {}, el("h1", {}, `Plans (${data.total})`), pager(offset, limit, rows.length, data.total),
     rows.length ? el("table", { id: "plan-list" },
       el("thead", {}, el("tr", {}, ["id", "model", "devices", "profile", "mesh", "step time", "created"]
         .map((h) => el("th", {}, h)))),
@@ -109,7 +112,7 @@ function meshSection(plan) {
   for (let r = 0; r < Math.min(total, MAX_RANKS_DRAWN); r++) {
     const c = coordsOf(r, sizes);
     // Colour by the outermost dim's coordinate so its groups read as blocks.
-    grid.append(el("div", { class: "rank", style: { background: RANK_COLOURS[c[0] % RANK_COLOURS.length] },
+    grid.append(el("div", { class: "rank", style: { background: rankColour(c[0]) },
       title: dims.map((d, i) => `${d.name}=${c[i]}`).join(", ") },
     `rank ${r}`, el("span", { class: "coord" }, dims.map((d, i) => `${d.name}${c[i]}`).join("·"))));
   }
@@ -283,12 +286,37 @@ function solverSection(plan) {
 function pipelineSection(plan) {
   const p = plan.pipeline;
   if (!p) return null;
-  return section(`Pipeline: ${p.schedule}, ${p.stages.length} stages on ${p.dim}, ${p.virtual_stages} per rank`,
+  // Virtual stage s runs on pp rank s % pp (executor.pipeline); a plan that lists one
+  // stage per rank with virtual_stages > 1 has each rank's layers dealt out at run time.
+  const pp = (plan.mesh.dims.find((d) => d.name === p.dim) || { size: p.stages.length }).size;
+  const perRank = p.virtual_stages > 1 && p.stages.length === pp;
+  return section(`Pipeline: ${p.schedule}, ${p.stages.length} stages on ${p.dim}=${pp}, ${p.virtual_stages} per rank`,
+    perRank ? el("p", { class: "muted" }, `Each row is one ${p.dim} rank's layers, dealt out in model order to its ` +
+      `${p.virtual_stages} virtual stages when the plan is applied.`) : null,
     el("table", { id: "pipeline" },
-      el("thead", {}, el("tr", {}, ["stage", "predicted time per rank", "modules"].map((h) => el("th", {}, h)))),
+      el("thead", {}, el("tr", {}, ["stage", `${p.dim} rank`, p.virtual_stages > 1 && !perRank ? "predicted time per virtual stage" : "predicted time",
+        "modules"].map((h) => el("th", {}, h)))),
       el("tbody", {}, p.stages.map((s) => el("tr", {},
-      el("td", {}, `stage ${s.index}`), el("td", { class: "num" }, fmtS(s.predicted_time_s)),
+      el("td", {}, `stage ${s.index}`), el("td", { class: "num" }, perRank ? s.index : s.index % pp),
+      el("td", { class: "num" }, fmtS(s.predicted_time_s)),
       el("td", { class: "mono" }, s.modules.length > 4 ? `${s.modules[0]} … ${s.modules[s.modules.length - 1]} (${s.modules.length})` : s.modules.join(", ")))))));
+}
+
+// json-formatter's togglers are links without an href: the mouse opens them, Tab never
+// reaches them.  Each one (it renders children as they open) becomes a focusable button
+// that Enter or Space toggles and that says whether it is open.
+function keyboardTree(tree) {
+  const mark = () => tree.querySelectorAll("a.json-formatter-toggler-link").forEach((a) => {
+    a.tabIndex = 0;
+    a.setAttribute("role", "button");
+    a.setAttribute("aria-expanded", String(a.parentElement.classList.contains("json-formatter-open")));
+  });
+  new MutationObserver(mark).observe(tree, { childList: true, subtree: true, attributes: true, attributeFilter: ["class"] });
+  tree.addEventListener("keydown", (ev) => {
+    const a = ev.target.closest("a.json-formatter-toggler-link");
+    if (a && (ev.key === "Enter" || ev.key === " ")) { ev.preventDefault(); a.click(); }
+  });
+  mark();
 }
 
 function rawSection(plan, name) {
@@ -299,6 +327,7 @@ function rawSection(plan, name) {
     setTimeout(() => URL.revokeObjectURL(url), 1000);
   } }, `Download ${name}`);
   const tree = el("div", { id: "json-tree" }, new JSONFormatter(plan, 1, { hoverPreviewEnabled: true }).render());
+  keyboardTree(tree);
   return section("Raw plan", download, el("details", { open: "" }, el("summary", {}, "JSON tree (click to expand)"), tree));
 }
 
@@ -313,6 +342,11 @@ function showPlan(main, plan, id) {
     meshSection(plan), placementSection(plan), memorySection(plan), timeSection(plan),
     ...[pipelineSection(plan), alternativesSection(plan), solverSection(plan), rawSection(plan, `plan-${id || "local"}.json`)]
       .filter(Boolean));
+}
+
+function showError(main, message) {
+  main.replaceChildren(el("section", {}, el("h1", {}, "Nothing to show"),
+    el("p", { class: "error", id: "error" }, message), el("p", {}, el("a", { href: "/" }, "all stored plans"))));
 }
 
 async function route() {
@@ -330,8 +364,7 @@ async function route() {
     if (!res.ok) throw new Error(body.detail || `GET /v1/plans/${id}: ${res.status}`);
     showPlan(main, body.plan, body.id);
   } catch (e) {
-    main.replaceChildren(el("p", { class: "error", id: "error" }, String(e.message || e)),
-      el("p", {}, el("a", { href: "/" }, "all stored plans")));
+    showError(main, String(e.message || e));
   }
 }
 
@@ -385,7 +418,7 @@ function openPlanText(name, text) {
     const [plan, id] = planOfFile(data);
     showPlan(main, plan, id);
   } catch (e) {
-    main.replaceChildren(el("p", { class: "error", id: "error" }, `${name}: ${e.message}`));
+    showError(main, `${name}: ${e.message}`);
   }
 }
 
