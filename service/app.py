@@ -26,6 +26,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cost_model.profile import (
@@ -211,6 +212,14 @@ def _plan_response(row: StoredPlan, status: int, cached: bool | None = None) -> 
     return Response(body, status_code=status, media_type="application/json")
 
 
+def _allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """Every method some route serves at this path.  Starlette's 405 names only those of
+    the first route that matched it: /v1/plans is served by two (GET and POST)."""
+    allowed = {m for route in app.router.routes if isinstance(route, Route)
+               and route.matches(scope)[0] != Match.NONE for m in route.methods or ()}
+    return sorted(allowed | ({"HEAD"} if "GET" in allowed else set()))
+
+
 def create_app(db_path: str | Path | None = None, *, workers: int = 2,
                default_time_limit_s: float = 60.0, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The service.  ``default_time_limit_s`` is the solver limit when a request sets
@@ -255,6 +264,10 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
         if isinstance(exc.__cause__, ValueError) and "digits" in str(exc.__cause__):  # Python's int limit
             return JSONResponse({"detail": f"body: a number has more than {sys.get_int_max_str_digits()} "
                                            "digits"}, status_code=400)
+        if exc.status_code == 405 and (allowed := _allowed_methods(app, request.scope)):
+            allow = ", ".join(allowed)
+            return JSONResponse({"detail": f"method {request.method} not allowed on {request.url.path}; "
+                                           f"allowed: {allow}"}, status_code=405, headers={"Allow": allow})
         return await http_exception_handler(request, exc)
 
     @app.exception_handler(PlannerUnavailable)

@@ -16,9 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 
 from cost_model.profile import load_profile
 from planner.schema import Plan
+from service.app import create_app
 from service.limits import MAX_HF_CONFIG_DEPTH, MAX_TIME_LIMIT_S
 from service.models import HFConfigModel, PlanRequest
 from service.process import ServerProcess
@@ -122,6 +124,17 @@ def test_head_is_answered_on_get_routes(server: ServerProcess) -> None:
         if path != "/healthz":  # its counters may change in between
             with urllib.request.urlopen(server.url + path, timeout=30) as get:
                 assert int(length) == len(get.read()), path
+
+
+def test_a_method_not_served_is_405_naming_every_method_that_is() -> None:
+    """Starlette's Allow named only the first matching route's methods: PUT /v1/plans
+    answered "Allow: POST", though GET serves the list there (review)."""
+    with TestClient(create_app(":memory:")) as client:
+        for method, path, allowed in [("PUT", "/v1/plans", "GET, HEAD, POST"), ("DELETE", "/v1/plans/abc", "GET, HEAD"),
+                                      ("POST", "/healthz", "GET, HEAD"), ("POST", "/plans/abc", "GET, HEAD")]:
+            r = client.request(method, path)
+            assert r.status_code == 405 and r.headers["Allow"] == allowed, (method, path, r.headers)
+            assert r.json()["detail"] == f"method {method} not allowed on {path}; allowed: {allowed}"
 
 
 def test_no_api_page_that_needs_a_cdn(server: ServerProcess) -> None:
