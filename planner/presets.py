@@ -219,7 +219,7 @@ def _config_error(e: Exception, data: dict[str, Any]) -> ConfigError:
     cause = e.__cause__ or e
     problem = (str(cause.args[0]) if isinstance(cause, KeyError) and cause.args else str(cause)).strip()
     problem = problem.splitlines()[0] if problem else type(cause).__name__
-    field = re.search(r"field '(\w+)'", str(e))
+    field = re.search(r"(?:field|property) '(\w+)'", str(e))
     names = [field[1]] if field else re.findall(r"`(\w+)`", problem)
     for name in names:
         if name == "rope_parameters" and "rope_scaling" in data:
@@ -239,7 +239,9 @@ def load_config(source: str | Path | Mapping[str, Any] | PretrainedConfig) -> Pr
     kwargs = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
     try:
         config = AutoConfig.for_model(data["model_type"], **kwargs)
-    except (TypeError, ValueError, KeyError, StrictDataclassError) as e:
+    except (TypeError, ValueError, KeyError, AttributeError, StrictDataclassError) as e:
+        # AttributeError: a key naming a read-only property (sub_configs), or one of the
+        # wrong type that the config's own __init__ reads (id2label as a string)
         raise _config_error(e, data) from None
     config.name_or_path = name
     return config
@@ -268,12 +270,47 @@ def model_name(source: Any) -> str:
     return str(source)
 
 
+_BUILD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, RuntimeError)
+
+
+def _culprit(config: PretrainedConfig) -> str | None:
+    """The one key of ``config`` without which (at its class's default) its model builds:
+    what a message about a model transformers cannot build names.  Only on that error's
+    path; one meta-device build per key the config sets (~1 s each for Llama 3 405B)."""
+    def builds(kwargs: dict[str, Any]) -> bool:
+        try:
+            with torch.device("meta"):
+                AutoModelForCausalLM.from_config(type(config)(**kwargs), trust_remote_code=False)
+        except Exception:  # noqa: BLE001 - any failure counts
+            return False
+        return True
+
+    given = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")}
+    if builds(given):  # the round trip through to_dict lost what failed: no key to blame
+        return None
+    defaults = type(config)().to_dict()
+    return next((key for key in given if not (key in defaults and defaults[key] == given[key])
+                 and builds({k: v for k, v in given.items() if k != key})), None)
+
+
 def build_model(config: PretrainedConfig, device: str | torch.device = "meta",
                 dtype: torch.dtype = torch.float32) -> nn.Module:
     """The unchanged Hugging Face causal LM for ``config``; never runs remote code."""
     config._attn_implementation = "sdpa"
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=dtype)
+    except _BUILD_ERRORS as e:
+        # transformers checks a config's fields only as far as its dataclass types go; a
+        # value it accepted may still break the modules it builds (a string rope_theta in a
+        # power, a dict where a sub-config object is read, a negative width)
+        problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        key = _culprit(config)
+        if key is None:
+            raise ConfigError(f"model: transformers cannot build a {config.model_type} model from this "
+                              f"config: {problem}") from e
+        raise ConfigError(f"{key}: transformers cannot build a {config.model_type} model with "
+                          f"{key}={getattr(config, key, None)!r}: {problem}") from e
     if model.loss_type is None:
         # transformers derives the loss from the class name, which GPT2LMHeadModel does not
         # match, and then warns on every trace that it falls back to the causal-LM loss.

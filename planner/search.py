@@ -77,6 +77,7 @@ from planner.strategies import (
     concrete,
     fsdp_degree,
     fsdp_host_s,
+    fsdp_shard,
     loss_mean_s,
     norm_module_node,
     unit_params,
@@ -457,8 +458,9 @@ def _lead(cand: Candidate) -> tuple[str, ...]:
 
 
 def _parameters(graph: nx.DiGraph, cand: Candidate) -> list[ParameterPlacement]:
-    """Placements at rest: the ILP's compute placements, with FSDP's dim-0 shard written
-    on fully-sharded data-parallel dims (where FSDP2 keeps parameters between uses)."""
+    """Placements at rest: the ILP's compute placements, with FSDP's shard written on
+    fully-sharded data-parallel dims (where FSDP2 keeps parameters between uses): dim 0,
+    or the dim ``fsdp_shard`` cuts a parameter with fewer rows than ranks on."""
     ctx = cand.ctx
     ndim = len(ctx.mesh_shape)
     placed: dict[str, tuple[str, ...]] = {}
@@ -466,10 +468,11 @@ def _parameters(graph: nx.DiGraph, cand: Candidate) -> list[ParameterPlacement]:
         for fqn, pl in c.weights.items():
             placed[fqn_pattern(fqn)] = pl
     out: dict[str, tuple[str, ...]] = {}
-    for fqn in graph.graph["param_shapes"]:
+    for fqn, shape in graph.graph["param_shapes"].items():
         pat = fqn_pattern(fqn)
         pl = placed.get(pat, ("R",) * ndim)
-        out[pat] = tuple("S(0)" if name in ctx.fsdp else p for name, p in zip(ctx.mesh_names, pl))
+        cut = f"S({fsdp_shard(ctx, shape, pl)[0]})"
+        out[pat] = tuple(cut if name in ctx.fsdp else p for name, p in zip(ctx.mesh_names, pl))
     return [ParameterPlacement(fqn=k, placements=[*_lead(cand), *v]) for k, v in out.items()]
 
 

@@ -41,7 +41,7 @@ from cost_model.compute import column_factor, fresh_pages_time, op_time
 from cost_model.memory import state_bytes_per_param
 from cost_model.profile import Profile
 from cost_model.step import fsdp_gathers, fsdp_host_time, fsdp_step_gathers, loss_mean_time
-from planner.schema import fqn_pattern
+from planner.schema import fqn_pattern, shard_dim
 from planner.tracer import layer_weight
 
 ANCHOR_OPS = {"linear", "addmm", "embedding", "scaled_dot_product_attention", "grouped_mm"}
@@ -341,17 +341,46 @@ def _anchor_layouts(op: str, kind: str) -> tuple[str, str] | None:
             "rep": ("R", "R")}[kind]
 
 
+def fsdp_shard(ctx: Context, shape: Sequence[int], placements: Sequence[str]) -> tuple[int, float]:
+    """(tensor dim, elements per rank) of FSDP2's shard of a parameter placed ``placements``
+    on the model dims (``fsdp_degree(ctx)`` ranks; the whole local tensor without FSDP).
+
+    FSDP2 cuts the dim into chunks and pads every rank's to the first's, ceil(rows /
+    ranks) rows.  Cut on dim 0, Mixtral's 8 experts over 64 ranks would leave each rank a
+    whole expert: 1/8 of the tensor, not the 1/64 an even split gives.  So a parameter with
+    fewer rows than ranks is cut on the first dim that has as many entries and that no
+    model dim splits (TorchTitan cuts MoE experts on dim 1 for the same reason); the plan
+    writes that dim (``S(d)`` on the fully sharded dim) and ``executor.apply`` cuts there."""
+    local = list(shape)
+    for n, p in zip(ctx.mesh_shape, placements):
+        d = shard_dim(p)
+        if d is not None and d < len(local):
+            local[d] = math.ceil(local[d] / n)
+    degree = fsdp_degree(ctx)
+    if degree == 1 or not local:
+        return 0, float(math.prod(local))
+    split = {shard_dim(p) for p in placements}
+    dim = 0 if local[0] >= degree else next(
+        (d for d, n in enumerate(local) if n >= degree and d not in split), 0)
+    return dim, float(math.ceil(local[dim] / degree) * math.prod(n for d, n in enumerate(local) if d != dim))
+
+
 def _param_state(ctx: Context, shape: Sequence[int], placements: Sequence[str]
                  ) -> tuple[tuple[float, float, float], float, float]:
     """((weight, grad, optimizer) bytes per device, gradient sync s, one FSDP gather s) of
-    one parameter.  FSDP divides all three by its degree (ZeRO-3); the transient unsharded
-    copy of the layer being computed is left to the profile's memory headroom."""
+    one parameter.  FSDP divides all three by its degree (ZeRO-3), padded as FSDP2 pads
+    (``fsdp_shard``); the transient unsharded copy of the layer being computed is left to
+    the profile's memory headroom."""
     per = state_bytes_per_param(ctx.optimizer)
     numel = math.prod(shape)
     shards = math.prod(n for n, p in zip(ctx.mesh_shape, placements) if p.startswith("S("))
     local = numel / shards
     fsdp = [i for i, name in enumerate(ctx.mesh_names) if name in ctx.fsdp and ctx.mesh_shape[i] > 1]
-    at_rest = local / math.prod(ctx.mesh_shape[i] for i in fsdp) if fsdp else local
+    if fsdp:
+        at_rest = fsdp_shard(ctx, shape, placements)[1]
+        local = at_rest * math.prod(ctx.mesh_shape[i] for i in fsdp)  # what FSDP2's collectives move
+    else:
+        at_rest = local
     state = (at_rest * per.weights, at_rest * per.grads, at_rest * per.optimizer)
     grad_bytes = local * per.grads
     sync = gather = 0.0

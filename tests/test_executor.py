@@ -425,12 +425,15 @@ def test_router_options_that_do_not_split_by_rows_warn() -> None:
 MIXTRAL = {**PRESETS["llama-tiny"], "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 4}
 
 
-def mixtral_steps(plan_json: str | None) -> dict[str, Any]:
-    """Three AdamW steps; the losses and the experts' first gradients, whole."""
+def mixtral_steps(plan_json: str | None, config: dict[str, Any] = MIXTRAL) -> dict[str, Any]:
+    """Three AdamW steps; the losses and the experts' first gradients, whole, and the
+    elements of each expert parameter this rank holds."""
     executor.rng.manual_seed(SEED)
-    model = build_model(load_config(MIXTRAL), device="cpu").to(torch.bfloat16).train()
+    model = build_model(load_config(config), device="cpu").to(torch.bfloat16).train()
     if plan_json is not None:
         model = executor.apply(Plan.from_json(plan_json), model)
+    held = {n: (p.to_local() if isinstance(p, DTensor) else p).numel()
+            for n, p in model.named_parameters() if ".experts." in n}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, grads = [], {}
     for x, _ in batches(Case("llama"))[:3]:
@@ -440,7 +443,7 @@ def mixtral_steps(plan_json: str | None) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads}
+    return {"losses": losses, "grads": grads, "held": held}
 
 
 def test_mixtral_experts_column_then_row_parallel_match_single_device() -> None:
@@ -459,6 +462,30 @@ def test_mixtral_experts_column_then_row_parallel_match_single_device() -> None:
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=0)
     for name, grad in ref["grads"].items():  # bf16: sums in another order, 0.7% apart (each 0.75% from fp32)
         miss = (got["grads"][name].float() - grad.float()).norm() / grad.float().norm()
+        assert miss < 1e-2, (name, miss)
+
+
+def test_fsdp_cuts_fewer_experts_than_ranks_across_their_rows() -> None:
+    """FSDP2 pads every rank's chunk to ceil(rows / ranks) rows: cut on dim 0, one expert
+    over 2 ranks left one rank the whole expert and the other padding, and the planner
+    priced half each (Mixtral 8x7B on 64 ranks "fit" with an eighth of its experts' state
+    per rank, not a sixty-fourth; review).  The plan cuts them on dim 1, and they train as
+    on one device."""
+    config = {**MIXTRAL, "num_local_experts": 1, "num_experts_per_tok": 1}
+    plan = planner.hand_plan(config, devices=2, profile="cpu-gloo-local", dp=2, fsdp=True, batch_size=BATCH,
+                             seq_len=SEQ)
+    assert {p.fqn: p.placements for p in plan.parameters if ".experts." in p.fqn} == {
+        "model.layers.*.mlp.experts.gate_up_proj": ["S(1)"], "model.layers.*.mlp.experts.down_proj": ["S(1)"]}
+    try:
+        ref = mixtral_steps(None, config)
+    finally:
+        executor.rng.deactivate()
+    got = run_on_ranks(2, mixtral_steps, plan.to_json(), config)
+    for rank in got:
+        assert rank["held"] == {n: numel // 2 for n, numel in ref["held"].items()}, rank["held"]
+    torch.testing.assert_close(torch.tensor(got[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=0)
+    for name, grad in ref["grads"].items():
+        miss = (got[0]["grads"][name].float() - grad.float()).norm() / grad.float().norm()
         assert miss < 1e-2, (name, miss)
 
 

@@ -844,3 +844,33 @@ def test_a_model_dim_that_splits_nothing_is_pointed_out() -> None:
     said.clear()
     planner.plan("llama-tiny", 2, "h100-sxm-80g", batch_size=8, seq_len=64, mesh={"dp": 2}, progress=said.append)
     assert not any(m.startswith("note:") for m in said), said
+
+
+def test_fsdp_pads_as_fsdp2_pads_and_cuts_fewer_rows_than_ranks_elsewhere() -> None:
+    """FSDP2 pads each rank's chunk to ceil(rows / ranks) rows.  A parameter with fewer rows
+    than ranks is cut on its first dim with enough entries that no model dim splits (one
+    Mixtral expert over 4 ranks: dim 1); with none, it is charged its padding."""
+    from cost_model.profile import load_profile
+    from planner.strategies import Context, fsdp_shard
+
+    ctx = Context(mesh_names=("dp", "tp"), mesh_shape=(4, 2), profile=load_profile("h100-sxm-80g"), batch_size=8,
+                  seq_len=32, microbatches=1, dtype="bf16", act_itemsize=2, optimizer="adam-mixed",
+                  fsdp=frozenset({"dp"}), checkpointing="none", feature_divisor=1)
+    assert fsdp_shard(ctx, [16, 6], ["R", "R"]) == (0, 4 * 6)
+    assert fsdp_shard(ctx, [1, 64, 8], ["R", "R"]) == (1, 16 * 8)  # an expert per 4 ranks: not 1 x 64 x 8 each
+    assert fsdp_shard(ctx, [1, 64, 8], ["R", "S(1)"]) == (2, 2 * 32)  # tp splits dim 1: FSDP takes dim 2
+    assert fsdp_shard(ctx, [3, 2], ["R", "R"]) == (0, 1 * 2)  # no dim has 4 entries: padded, 2 not 1.5
+    plain = Context(**{**ctx.__dict__, "fsdp": frozenset()})
+    assert fsdp_shard(plain, [3, 8], ["R", "S(1)"]) == (0, 3 * 4)  # no FSDP: the tensor-parallel shard
+
+
+def test_mixtral_under_fsdp_is_priced_at_an_even_share_of_its_experts() -> None:
+    """8 experts over 64 ranks: the plan cuts them on dim 1, so each rank's share is a
+    sixty-fourth, and a 1/64 share is what the memory prediction charges."""
+    plan = planner.hand_plan("mixtral-8x7b", devices=64, profile="h100-sxm-80g", dp=64, fsdp=True, batch_size=64,
+                             seq_len=4096, require_fit=False)
+    placements = {p.fqn: p.placements for p in plan.parameters}
+    assert placements["model.layers.*.mlp.experts.gate_up_proj"] == ["S(1)"]
+    assert placements["model.layers.*.self_attn.q_proj.weight"] == ["S(0)"]
+    params = sum(math.prod(s) * plan.fingerprint.counts[f] for f, s in plan.fingerprint.params.items())
+    assert plan.prediction.memory.parameters == pytest.approx(2 * params / 64, rel=0.01)  # bf16 weights
