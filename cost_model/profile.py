@@ -14,8 +14,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-PositiveFloat = Annotated[float, Field(gt=0)]
-Fraction = Annotated[float, Field(gt=0, le=1)]
+# A rate, FLOP/s or B/s: at least 1e6.  Any device or link of the last decades is faster;
+# one near the smallest float (1e-308) made a step's price overflow to inf, which the ILP
+# cannot take (a 500 over HTTP).
+Rate = Annotated[float, Field(ge=1e6)]
+# An efficiency: at least 1e-6 for the same reason (a rate times it is at least 1 per second).
+Fraction = Annotated[float, Field(ge=1e-6, le=1)]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 _PRINTABLE = r"^[^\x00-\x1f\x7f]+$"  # names are printed in one-line notes and tables
@@ -35,11 +39,11 @@ class CollectiveBandwidth(_Strict):
     mesh-dim size (see cost_model.comm for the f(n) factors).
     """
 
-    all_reduce: PositiveFloat = Field(description="all-reduce bus bandwidth, B/s")
-    all_gather: PositiveFloat = Field(description="all-gather bus bandwidth, B/s")
-    reduce_scatter: PositiveFloat = Field(description="reduce-scatter bus bandwidth, B/s")
-    all_to_all: PositiveFloat = Field(description="all-to-all bus bandwidth, B/s")
-    send_recv: PositiveFloat = Field(description="point-to-point bandwidth of one pair, B/s")
+    all_reduce: Rate = Field(description="all-reduce bus bandwidth, B/s")
+    all_gather: Rate = Field(description="all-gather bus bandwidth, B/s")
+    reduce_scatter: Rate = Field(description="reduce-scatter bus bandwidth, B/s")
+    all_to_all: Rate = Field(description="all-to-all bus bandwidth, B/s")
+    send_recv: Rate = Field(description="point-to-point bandwidth of one pair, B/s")
 
 
 class CollectiveLatency(_Strict):
@@ -97,7 +101,7 @@ class NetworkLevel(_Strict):
 
 
 class GemmPoint(_Strict):
-    flops: PositiveFloat = Field(description="FLOPs of one GEMM (2*m*n*k)")
+    flops: float = Field(ge=1, description="FLOPs of one GEMM (2*m*n*k)")
     efficiency: Fraction = Field(description="achievable fraction of peak at that size")
 
 
@@ -123,7 +127,7 @@ class Profile(_Strict):
                       description="profile name, e.g. h100-sxm-80g (calibrate: the output file's stem)")
     source: str = Field(default="", description="where the numbers come from")
     device_type: Literal["cuda", "cpu"] = Field(description="torch device type")
-    peak_flops: dict[str, PositiveFloat] = Field(
+    peak_flops: dict[str, Rate] = Field(
         min_length=1, description="dense peak FLOP/s per dtype name (bf16, fp16, fp32, tf32, ...)"
     )
     gemm_efficiency: list[GemmPoint] = Field(
@@ -132,7 +136,7 @@ class Profile(_Strict):
         "clamped at both ends",
     )
     memory_bytes: int = Field(gt=0, description="memory capacity per device, bytes")
-    memory_bandwidth: PositiveFloat = Field(description="peak memory bandwidth per device, B/s")
+    memory_bandwidth: Rate = Field(description="peak memory bandwidth per device, B/s")
     memory_efficiency: Fraction = Field(description="achievable fraction of memory_bandwidth")
     kernel_floor_s: float = Field(
         ge=0,
@@ -205,7 +209,7 @@ class Profile(_Strict):
         description="host time FSDP2 adds per micro-batch, by data-parallel mode "
         "(replicate runs as HSDP); a mode left out adds none",
     )
-    transcendental_rate: PositiveFloat | None = Field(
+    transcendental_rate: Rate | None = Field(
         default=None,
         description="exp/log/tanh evaluations per second per device (softmax, SiLU, the "
         "loss's log-softmax); an op takes at least its evaluations over this rate. "

@@ -146,7 +146,7 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     profile = json.loads((Path(__file__).parents[1] / "profiles" / f"{PROFILE}.json").read_text())
     profile["levels"][0]["busbw"]["all_reduce"] = -1
     (tmp_path / "badprofile.json").write_text(json.dumps(profile))
-    profile["levels"][0]["busbw"]["all_reduce"] = 1e-300  # valid, but no machine's: CBC gave up
+    profile["levels"][0]["busbw"]["all_reduce"] = 1e-300  # no machine's: CBC gave up; now refused
     (tmp_path / "absurdprofile.json").write_text(json.dumps({**profile, "name": "absurd"}))
     # a shipped name on other numbers: the plan, which records the name only, read as
     # planned for 80 GB H100s with 1 TiB of memory ("130 GiB of 1024 GiB ... fits")
@@ -190,11 +190,11 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     # the profile is named after the file: under a shipped name every later use refuses it
     (["calibrate", "-o", "{shippedname}"], "would name the profile 'cpu-gloo-local', a shipped profile's name"),
     (["plan", *TINY, "--profile", "{badprofile}"],
-     "badprofile.json: levels.0.busbw.all_reduce: Input should be greater than 0 (1 problem(s))"),
+     "badprofile.json: levels.0.busbw.all_reduce: Input should be greater than or equal to 1000000 (1 problem(s))"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--profile", "{spoof}"],
      f"profile.name: {PROFILE!r} is a shipped profile's name, but the numbers differ from it"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--profile", "{absurdprofile}"],
-     "s per step; a bandwidth or rate in it is out of range"),
+     "absurdprofile.json: levels.0.busbw.all_reduce: Input should be greater than or equal to 1000000"),
     # flags that would change nothing (were accepted, the estimate as without them)
     (["estimate", *TINY, "--dp", "1", "--tp", "2", "--fsdp"], "fsdp: shards over the data-parallel dim, and dp is 1"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--sp"], "sp: shards the sequence over the tensor-parallel dim"),

@@ -19,6 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cost_model.profile import load_profile
+from planner.presets import PRESETS
 from planner.schema import Plan
 from service.app import create_app
 from service.limits import MAX_HF_CONFIG_DEPTH, MAX_TIME_LIMIT_S
@@ -219,12 +220,20 @@ def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
     ({**TINY, "profile": "nope"}, 422, "profile: 'nope' is not a shipped profile"),
     ({**TINY, "profile": {"name": "half-a-profile"}}, 422, "profile.device_type: Field required"),
     ({**TINY, "profile": _inline_profile("mine", all_reduce=-1)}, 422,
-     "profile.levels.0.busbw.all_reduce: Input should be greater than 0"),
+     "profile.levels.0.busbw.all_reduce: Input should be greater than or equal to 1000000"),
     ({**TINY, "profile": _inline_profile(bf16=1e300)}, 422, f"profile.name: {PROFILE!r} is a shipped profile's name"),
-    # JSON's 1e400 parses as inf (a 500 from the ILP before); 1e-300 B/s is finite but no machine's
+    # JSON's 1e400 parses as inf (a 500 from the ILP before); 1e-300 B/s is finite but no
+    # machine's, and 1e-308 FLOP/s or an efficiency of 5e-324 priced a step at inf (a 500, review)
     (json.dumps({**TINY, "profile": _inline_profile("mine", all_reduce=12345.5)}).replace("12345.5", "1e400").encode(),
      422, "profile.levels.0.busbw.all_reduce: Input should be a finite number"),
-    ({**TINY, "profile": _inline_profile("mine", all_reduce=1e-300)}, 422, "a bandwidth or rate in it is out of range"),
+    ({**TINY, "profile": _inline_profile("mine", all_reduce=1e-300)}, 422,
+     "profile.levels.0.busbw.all_reduce: Input should be greater than or equal to 1000000"),
+    ({**TINY, "profile": {**_inline_profile("mine"), "memory_efficiency": 5e-324}}, 422,
+     "profile.memory_efficiency: Input should be greater than or equal to 0.000001"),
+    ({**TINY, "model": {"hf_config": {**PRESETS["llama-tiny"], "text_config": {}}}}, 422,
+     "model.hf_config.text_config: transformers cannot build a llama model with text_config={}"),
+    ({**TINY, "model": {"hf_config": {**PRESETS["llama-tiny"], "sub_configs": 1}}}, 422,
+     "model.hf_config.sub_configs: property 'sub_configs' of 'LlamaConfig' object has no setter"),
     ({**TINY, "devices": True}, 422, "devices: Input should be a valid integer"),
     ({**TINY, "batch_size": 4.0}, 422, "batch_size: Input should be a valid integer"),
     ({**TINY, "mesh": {"dp": True}}, 422, "mesh.dp: Input should be a valid integer"),
