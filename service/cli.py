@@ -97,6 +97,20 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+WORKERS_PER_CPU = 4
+
+
+def _workers(text: str) -> int:
+    """A worker is a process importing torch (~0.5 GB) that keeps a core busy while it
+    solves: past a few per core they only queue on the cores, and 1000 of them took a
+    2-core machine down (review)."""
+    n, cpus = _positive(text), os.cpu_count() or 1
+    if n > WORKERS_PER_CPU * cpus:
+        raise argparse.ArgumentTypeError(f"{n} is more than {WORKERS_PER_CPU} per CPU ({WORKERS_PER_CPU * cpus} "
+                                         f"on this machine's {cpus}); each worker is a process of ~0.5 GB")
+    return n
+
+
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0 to 65535; 0: any free port)")
@@ -336,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=_port, default=8000, help="TCP port (default: %(default)s)")
     p.add_argument("--db", help="SQLite plan store (default: $XDG_DATA_HOME/meshplan/plans.db)")
-    p.add_argument("--workers", type=_positive, default=2, help="planner worker processes (default: %(default)s)")
+    p.add_argument("--workers", type=_workers, default=2,
+                   help=f"planner worker processes, at most {WORKERS_PER_CPU} per CPU (default: %(default)s)")
     p.add_argument("--time-limit", type=_limited("TimeLimit"), default=60.0,
                    help="solver time limit in seconds when a request sets none (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

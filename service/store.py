@@ -56,8 +56,9 @@ class StoredPlan:
 
 class PlanStore:
     """Writes go through one connection under a lock; reads use one connection per
-    thread.  In WAL mode readers never wait for a writer's fsync, so reads are cheap
-    enough to run on the server's event loop itself."""
+    thread.  In WAL mode readers never wait for a writer's fsync, so a read by id is
+    cheap enough to run on the server's event loop itself; a list page (OFFSET) and the
+    count scale with the store and run in the thread pool."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)

@@ -250,6 +250,7 @@ def test_argument_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     (["serve", "--port", "99999"], "--port: '99999' is not a TCP port"),
     (["plan", *TINY, "--devices", "2.0"], "--devices: '2.0': Input should be a valid integer"),  # was taken as 2
     (["serve", "--port", "-1"], "--port"),
+    (["serve", "--workers", "1000"], "--workers: 1000 is more than 4 per CPU"),  # took a 2-core machine down
 ])
 def test_values_beyond_the_http_limits_are_argument_errors(argv: list[str], names: str,
                                                            capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -136,6 +137,24 @@ def test_a_method_not_served_is_405_naming_every_method_that_is() -> None:
             r = client.request(method, path)
             assert r.status_code == 405 and r.headers["Allow"] == allowed, (method, path, r.headers)
             assert r.json()["detail"] == f"method {method} not allowed on {path}; allowed: {allowed}"
+
+
+def test_a_store_that_cannot_save_is_a_503_and_the_next_try_saves(server: ServerProcess) -> None:
+    """Another process holding the store's write lock past its 5 s busy timeout: the
+    answer was a plain-text 500 (review); it is a JSON 503 with Retry-After, and the
+    same request once the lock is gone is planned and stored."""
+    body = {**TINY, "batch_size": 2, "seq_len": 8}
+    holder = sqlite3.connect(server.db, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        status, answer = server.post("/v1/plans", body)
+    finally:
+        holder.close()
+    assert status == 503, answer
+    assert answer["detail"].startswith("store: the plan was made but could not be saved (database is locked)")
+    status, answer = server.post("/v1/plans", body)
+    assert status == 201, answer
+    assert server.get(f"/v1/plans/{answer['id']}")["id"] == answer["id"]
 
 
 def test_no_api_page_that_needs_a_cdn(server: ServerProcess) -> None:
