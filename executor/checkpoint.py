@@ -22,6 +22,7 @@ save killed half-way leaves at most ``<path>.incomplete``, which ``load`` refuse
 from __future__ import annotations
 
 import json
+import operator
 import os
 import shutil
 from collections.abc import Iterator
@@ -49,6 +50,12 @@ class CheckpointError(RuntimeError):
 def save(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | None = None,
          step: int | None = None) -> None:
     """Write model (and optimizer) state, the step and the RNG state to ``path``; collective."""
+    _check_arguments(model, optimizer)
+    if step is not None:  # checked on every rank before anything is written: rank 0 alone
+        try:              # failed on a numpy int after the shards, and left the rest waiting
+            step = operator.index(step)
+        except TypeError:
+            raise TypeError(f"step: expected an int or None, got {type(step).__name__} {step!r}") from None
     final = Path(path)
     staging = final.with_name(final.name + ".incomplete")
     retired = final.with_name(final.name + ".old")
@@ -106,6 +113,11 @@ def load(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     """Load what :func:`save` wrote into ``model`` (and ``optimizer``), resharding as needed.
 
     Restores the RNG state too.  Returns the saved step.  Collective."""
+    _check_arguments(model, optimizer)
+    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise CheckpointError(f"model: {meta} is on the meta device (no storage to load into); "
+                              "executor.apply the model first, which materialises it")
     record = _read_record(Path(path))
     if optimizer is not None and not record["optimizer"]:
         raise CheckpointError(f"optimizer: {path} was saved without optimizer state")
@@ -122,6 +134,13 @@ def load(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     if record["rng"] is not None:
         rng.set_state(record["rng"])
     return record["step"]
+
+
+def _check_arguments(model: object, optimizer: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
 
 
 @contextmanager

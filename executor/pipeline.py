@@ -90,6 +90,7 @@ class Cuts:
     draws: int  # random ops in one device's whole forward
     inputs: tuple[Boundary | None, ...]  # what each stage receives (None: the token ids)
     logits: Boundary  # what the last stage hands the loss
+    counted: bool  # executor.rng was seeded when apply counted the draws (else all 0)
 
 
 # -- checks (nothing changes until they pass) -------------------------------------------------
@@ -105,7 +106,10 @@ def check(plan: Plan, model: nn.Module, dry_run: bool) -> tuple[Cuts | None, lis
         problems.append(f"pipeline.virtual_stages: {spec.virtual_stages} with schedule {spec.schedule!r}; "
                         "only interleaved-1f1b runs several stages per rank")
     pp = plan.mesh.size_of(spec.dim)
-    if spec.schedule == "interleaved-1f1b" and plan.microbatches % pp:
+    if spec.schedule != "gpipe" and plan.microbatches < pp:
+        problems.append(f"microbatches: {plan.microbatches} with {spec.schedule} on {spec.dim}={pp}; a 1F1B "
+                        "schedule needs at least one micro-batch per stage (torch.distributed.pipelining)")
+    elif spec.schedule == "interleaved-1f1b" and plan.microbatches % pp:
         problems.append(f"microbatches: {plan.microbatches} with interleaved-1f1b on {spec.dim}={pp}; the "
                         "interleaved schedule runs micro-batches in rounds of pp, so it needs a multiple of pp")
     if not (callable(getattr(model, "get_input_embeddings", None)) and hasattr(model, "loss_function")):
@@ -290,7 +294,7 @@ def _dry_run(model: nn.Module, stages: list[list[str]]) -> tuple[Cuts | None, li
     if problems:
         return None, problems
     return Cuts(stages=tuple(tuple(m) for m in stages), draws_before=tuple(starts), draws=total,
-                inputs=inputs, logits=_boundary(out.logits)), []
+                inputs=inputs, logits=_boundary(out.logits), counted=active), []
 
 
 def _main_input(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -492,6 +496,12 @@ class _Runner:
         for replica in self.replicas.values():  # its copied containers keep the mode they had at apply
             replica.train()
         state = rng.get_state() if rng.is_active() else None
+        if state is not None and not self.cuts.counted:
+            # the stages' draws were counted as 0: every step would redraw the first step's
+            # dropout masks, and every stage its neighbours' (review)
+            raise PipelineError("executor.rng.manual_seed was called after executor.apply: under a pipeline "
+                                "plan apply counts each stage's random draws, which needs the seed; call "
+                                "executor.rng.manual_seed before executor.apply")
         self._base = state["counter"] if state is not None else 0
         losses: list[torch.Tensor] = []
         first, last = 0 in self.replicas, len(self.cuts.stages) - 1 in self.replicas

@@ -214,3 +214,20 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(runs: dict) -> None:
         with pytest.raises(CheckpointError, match="does not fit the model") as e:
             executor.load(path, model=model)
         assert expected in str(e.value), str(e.value)
+
+
+def test_arguments_are_checked_on_every_rank_before_anything_is_written(tmp_path: Path) -> None:
+    """save(step=1.5) failed on rank 0 only, after the shards were written, leaving the
+    other ranks in the final barrier; a numpy or tensor step failed there too (review)."""
+    model = build_model(load_config(PRESETS["llama-tiny"]), device="cpu")
+    with pytest.raises(TypeError, match=r"^step: expected an int or None, got float 1.5$"):
+        executor.save(tmp_path / "ck", model=model, step=1.5)
+    with pytest.raises(TypeError, match=r"^model: expected a torch.nn.Module, got NoneType$"):
+        executor.save(tmp_path / "ck", model=None)
+    assert not list(tmp_path.iterdir())  # nothing written
+    executor.save(tmp_path / "ck", model=model, step=torch.tensor(3))
+    assert json.loads((tmp_path / "ck" / RECORD).read_text())["step"] == 3
+    assert executor.load(tmp_path / "ck", model=model) == 3
+    # a model on the meta device has nothing to load into (DCP's BaseException before)
+    with pytest.raises(CheckpointError, match=r"^model: model.embed_tokens.weight is on the meta device"):
+        executor.load(tmp_path / "ck", model=build_model(load_config(PRESETS["llama-tiny"]), device="meta"))

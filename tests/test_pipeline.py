@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from typing import Any
 
 import pytest
@@ -123,7 +124,22 @@ def on_ranks(plans: dict[str, str], saver: str | None, root: str | None) -> dict
         out["resumed"] = train(plans[saver], resume_from=f"{root}/ckpt1")
         out["resumed_own"] = train(plans[saver], resume_from=f"{root}/ckpt")
         out["accumulated"] = train(plans[saver], accumulate=True)
+        out["seeded_late"] = _seeded_after_apply(plans[saver])
     return out
+
+
+def _seeded_after_apply(plan_json: str) -> str:
+    """The error of a pipeline step whose loop seeds after apply, which counted no draws."""
+    executor.rng.deactivate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # apply's "executor.rng is not seeded"
+        model = executor.apply(Plan.from_json(plan_json), build())
+    executor.rng.manual_seed(SEED)
+    try:
+        model(input_ids=batches()[0], labels=batches()[0])
+    except PipelineError as e:
+        return str(e)
+    return "no error"
 
 
 def _planned(mesh: dict[str, int]) -> Plan:
@@ -453,6 +469,20 @@ def test_virtual_stages_need_the_interleaved_schedule(plans: dict[str, Plan]) ->
     plan = plans["pp2"].model_copy(deep=True)
     plan.pipeline.schedule, plan.pipeline.virtual_stages = "1f1b", 2
     assert "pipeline.virtual_stages: 2 with schedule '1f1b'" in _refused(plan)
+
+
+def test_a_loop_that_seeds_after_apply_is_told_to_seed_first(world2: dict) -> None:
+    """apply counts each stage's draws only when seeded: seeded after it, every step redrew
+    the first step's dropout masks and matched no single-device run (review)."""
+    for rank in world2["ranks"]:
+        assert rank["seeded_late"].startswith("executor.rng.manual_seed was called after executor.apply"), rank
+
+
+def test_1f1b_needs_a_micro_batch_per_stage(plans: dict[str, Plan]) -> None:
+    """Passed apply and failed in torch's schedule at the first step (review)."""
+    plan = plans["pp2"].model_copy(deep=True)
+    plan.pipeline.schedule, plan.pipeline.virtual_stages, plan.microbatches = "1f1b", 1, 1
+    assert "microbatches: 1 with 1f1b on pp=2; a 1F1B schedule needs at least one micro-batch per stage" in _refused(plan)
 
 
 def test_interleaved_micro_batches_come_in_rounds_of_pp(plans: dict[str, Plan]) -> None:
