@@ -21,6 +21,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import networkx as nx
@@ -47,7 +48,7 @@ from planner.pipeline import (
     schedule_blocker,
     stage_modules,
 )
-from planner.presets import default_seq_len, load_config
+from planner.presets import PRESETS, default_seq_len, load_config
 from planner.schema import (
     Alternative,
     DataParallelDim,
@@ -320,7 +321,10 @@ def mesh_candidates(devices: int, profile: Profile, divisor: int, layers: int,
             raise PlanningError(f"mesh: sizes must be positive integers, got {dict(mesh)}")
         if math.prod(mesh.values()) != devices:
             raise PlanningError(f"mesh: {dict(mesh)} has {math.prod(mesh.values())} devices, devices={devices}")
-        if mesh.get("pp", 1) > layers:
+        # pp=1 is no pipeline: kept, the search read the stages' first dim as dp and tried
+        # no FSDP (review)
+        mesh = {k: v for k, v in mesh.items() if not (k == "pp" and v == 1)} or {"dp": 1}
+        if mesh.get("pp", 1) > max(layers, 1):
             raise PlanningError(f"mesh: pp={mesh['pp']} exceeds the model's {layers} layers")
         if mesh.get("pp", 1) > 1 and unpipelined:
             raise PlanningError(f"mesh: pp={mesh['pp']}: the model cannot be cut into pipeline stages "
@@ -622,16 +626,23 @@ def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
     dtype = _training_dtype(prof)
     if say is not None:
         say(f"tracing {model if isinstance(model, str) else type(model).__name__} ...")
-    graph = _trace_preset(model, seq_len, dtype) if isinstance(model, str) else trace(
+    graph = _trace_named(model, _file_text(model), seq_len, dtype) if isinstance(model, str) else trace(
         config if config is not None else model, 1, seq_len, dtype)
     return graph, prof, batch, seq_len, config
 
 
+def _file_text(model: str) -> str:
+    """A config file's contents ('' for a preset name), part of the trace cache's key."""
+    return Path(model).read_text() if model not in PRESETS and Path(model).is_file() else ""
+
+
 @functools.lru_cache(maxsize=8)
-def _trace_preset(model: str, seq_len: int, dtype: torch.dtype) -> nx.DiGraph:
+def _trace_named(model: str, contents: str, seq_len: int, dtype: torch.dtype) -> nx.DiGraph:
     """Graphs of named models are reused: a plan and the estimates that check it, or a
     service worker answering many requests, trace each (model, seq_len, dtype) once.
-    Callers never mutate the graph."""
+    A config file is keyed by its ``contents`` too: edited between two plans of one
+    process, it was planned as the model it described first (review).  Callers never
+    mutate the graph."""
     return trace(model, 1, seq_len, dtype)
 
 

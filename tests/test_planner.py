@@ -874,3 +874,24 @@ def test_mixtral_under_fsdp_is_priced_at_an_even_share_of_its_experts() -> None:
     assert placements["model.layers.*.self_attn.q_proj.weight"] == ["S(0)"]
     params = sum(math.prod(s) * plan.fingerprint.counts[f] for f, s in plan.fingerprint.params.items())
     assert plan.prediction.memory.parameters == pytest.approx(2 * params / 64, rel=0.01)  # bf16 weights
+
+
+def test_a_forced_pp_of_one_is_no_pipeline() -> None:
+    """mesh={"dp": 4, "pp": 1} was searched as a pipeline mesh whose data dim read as 1:
+    FSDP was never tried, and the plan kept a pp dim of size 1 (review)."""
+    plan = planner.plan("llama-tiny", devices=4, profile="cpu-gloo-local", batch_size=8, seq_len=32,
+                        mesh={"dp": 4, "pp": 1})
+    assert [d.name for d in plan.mesh.dims] == ["dp"] and plan.pipeline is None
+    assert [a.note.split(",")[0] for a in plan.solver.alternatives] == ["dp=4 replicate", "dp=4 fsdp"]
+
+
+def test_an_edited_config_file_is_traced_again(tmp_path) -> None:
+    """Graphs of named models are cached; a config.json edited between two plans of one
+    process was planned as the model it described first (review)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**PRESETS["llama-tiny"], "num_hidden_layers": 2}))
+    first = planner.plan(str(path), devices=1, profile="cpu-gloo-local", batch_size=2, seq_len=16)
+    path.write_text(json.dumps({**PRESETS["llama-tiny"], "num_hidden_layers": 3}))
+    second = planner.plan(str(path), devices=1, profile="cpu-gloo-local", batch_size=2, seq_len=16)
+    assert first.fingerprint.counts["model.layers.*.mlp.up_proj.weight"] == 2
+    assert second.fingerprint.counts["model.layers.*.mlp.up_proj.weight"] == 3
