@@ -305,7 +305,7 @@ def best_pipeline(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: 
     layers = graph.graph["layers"]
     p2p = p2p_time(ctx, graph, (pp, *ctx.mesh_shape))
     budget = usable_bytes(ctx.profile) if budget is None else budget
-    best = None
+    best, best_key = None, (math.inf, math.inf)
     for schedule, virtual in schedules:
         if schedule_blocker(layers, pp, ctx.microbatches, schedule, virtual):
             continue
@@ -313,6 +313,9 @@ def best_pipeline(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: 
         if stages is None:
             continue
         b = compose_step([s.cost for s in stages], ctx.microbatches, schedule, virtual)
-        if best is None or b.step_time_s < best[3].step_time_s:
-            best = (stages, schedule, virtual, b)
+        # on a tie in time the leaner schedule (1F1B holds fewer micro-batches' activations
+        # than GPipe, which won ties before: review)
+        key = (b.step_time_s, max(s.memory for s in stages))
+        if best is None or key < best_key:
+            best, best_key = (stages, schedule, virtual, b), key
     return best
