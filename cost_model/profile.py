@@ -27,8 +27,9 @@ _PRINTABLE = r"^[^\x00-\x1f\x7f]+$"  # names are printed in one-line notes and t
 
 class _Strict(BaseModel):
     # a number a profile gives must be finite: JSON reads 1e400 as inf, which the bounds
-    # (gt=0) let through and the ILP then refuses with an error naming no field
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # let through and the ILP then refuses with an error naming no field; and a number:
+    # memory_bytes true read as 1 byte, "6319125504" as a number (strict; review)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class CollectiveBandwidth(_Strict):

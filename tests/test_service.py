@@ -247,6 +247,10 @@ def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
      422, "profile.levels.0.busbw.all_reduce: Input should be a finite number"),
     ({**TINY, "profile": _inline_profile("mine", all_reduce=1e-300)}, 422,
      "profile.levels.0.busbw.all_reduce: Input should be greater than or equal to 1000000"),
+    ({**TINY, "profile": {**_inline_profile("mine"), "memory_bytes": True}}, 422,  # was 1 byte
+     "profile.memory_bytes: Input should be a valid integer"),
+    ({**TINY, "profile": {**_inline_profile("mine"), "memory_bandwidth": "3.35e12"}}, 422,
+     "profile.memory_bandwidth: Input should be a valid number"),
     ({**TINY, "profile": {**_inline_profile("mine"), "memory_efficiency": 5e-324}}, 422,
      "profile.memory_efficiency: Input should be greater than or equal to 0.000001"),
     ({**TINY, "model": {"hf_config": {**PRESETS["llama-tiny"], "text_config": {}}}}, 422,
