@@ -818,11 +818,13 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
     False: then it is priced with the memory bound lifted and comes back with
     ``prediction.memory.fits`` False, so that ``estimate --json`` can report what it needs."""
     t0 = time.perf_counter()
+    for name, value in (("devices", devices), ("dp", dp), ("tp", tp), ("pp", pp), ("microbatches", microbatches),
+                        ("virtual_stages", virtual_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # "2" compared with ints (review)
+            raise PlanningError(f"{name}: must be a positive integer, got {value!r}")
     given_schedule, schedule = schedule, schedule or "1f1b"
     if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
         raise PlanningError(f"schedule: expected gpipe, 1f1b or interleaved-1f1b, got {schedule!r}")
-    if virtual_stages < 1:
-        raise PlanningError(f"virtual_stages: must be >= 1, got {virtual_stages}")
     if virtual_stages > 1 and schedule != "interleaved-1f1b":
         raise PlanningError(f"virtual_stages: {virtual_stages} needs schedule interleaved-1f1b")
     if virtual_stages > 1 and pp == 1:
@@ -833,16 +835,12 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
         raise PlanningError("fsdp: shards over the data-parallel dim, and dp is 1")
     if sp and tp == 1:
         raise PlanningError("sp: shards the sequence over the tensor-parallel dim, and tp is 1")
-    if pp < 1 or dp < 1 or tp < 1:
-        raise PlanningError(f"pp, dp, tp: must be >= 1, got pp={pp} dp={dp} tp={tp}")
     if dp * tp * pp != devices:
         raise PlanningError(f"devices: dp*tp*pp = {dp * tp * pp}, but devices={devices}")
     if pp > 1 and microbatches < pp:
         raise PlanningError(f"microbatches: {microbatches} < pp={pp} leaves pipeline stages idle")
     if checkpointing not in ("none", "selective", "full"):
         raise PlanningError(f"checkpointing: expected none, selective or full, got {checkpointing!r}")
-    if microbatches < 1:
-        raise PlanningError(f"microbatches: must be >= 1, got {microbatches}")
     graph, prof, batch, seq, config = _resolve(model, devices, profile, batch_size, seq_len)
     if batch % (dp * microbatches):
         raise PlanningError(f"batch_size: {batch} is not divisible by dp*microbatches = {dp * microbatches}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -903,3 +904,13 @@ def test_a_tie_between_pipeline_schedules_goes_to_the_leaner() -> None:
     plan = planner.plan("llama-tiny", devices=4, profile="cpu-gloo-local", batch_size=8, seq_len=32,
                         mesh={"pp": 2, "tp": 2})
     assert plan.pipeline.schedule != "gpipe"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"dp": "2"}, "dp: must be a positive integer, got '2'"),  # a TypeError comparing '2' with ints (review)
+    ({"dp": 2, "microbatches": 0}, "microbatches: must be a positive integer, got 0"),
+    ({"dp": 2, "tp": True}, "tp: must be a positive integer, got True"),
+])
+def test_hand_layouts_check_their_numbers_as_plan_does(args: dict, message: str) -> None:
+    with pytest.raises(planner.PlanningError, match=f"^{re.escape(message)}$"):
+        planner.hand_plan("llama-tiny", devices=2, profile="cpu-gloo-local", batch_size=4, seq_len=16, **args)
