@@ -229,6 +229,21 @@ def _config_error(e: Exception, data: dict[str, Any]) -> ConfigError:
     return ConfigError(f"model: invalid {data['model_type']} config: {problem}")
 
 
+def _for_model(model_type: str, kwargs: dict[str, Any]) -> PretrainedConfig:
+    """``AutoConfig.for_model``, with a whole number given for a float field taken as that
+    float: JSON has one number type, and a client serialising 1.0 sends 1, which
+    transformers' strict dataclass fields refuse ("expected float, got int")."""
+    while True:
+        try:
+            return AutoConfig.for_model(model_type, **kwargs)
+        except StrictDataclassError as e:
+            field = re.search(r"field '(\w+)' expected float, got int", str(e), re.IGNORECASE)
+            value = kwargs.get(field[1]) if field else None
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise
+            kwargs = {**kwargs, field[1]: float(value)}
+
+
 def load_config(source: str | Path | Mapping[str, Any] | PretrainedConfig) -> PretrainedConfig:
     """A validated Hugging Face config from a preset name, a config.json path or a dict."""
     if isinstance(source, PretrainedConfig):
@@ -238,7 +253,7 @@ def load_config(source: str | Path | Mapping[str, Any] | PretrainedConfig) -> Pr
     _check(data)
     kwargs = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
     try:
-        config = AutoConfig.for_model(data["model_type"], **kwargs)
+        config = _for_model(data["model_type"], kwargs)
     except (TypeError, ValueError, KeyError, AttributeError, StrictDataclassError) as e:
         # AttributeError: a key naming a read-only property (sub_configs), or one of the
         # wrong type that the config's own __init__ reads (id2label as a string)

@@ -914,3 +914,14 @@ def test_a_tie_between_pipeline_schedules_goes_to_the_leaner() -> None:
 def test_hand_layouts_check_their_numbers_as_plan_does(args: dict, message: str) -> None:
     with pytest.raises(planner.PlanningError, match=f"^{re.escape(message)}$"):
         planner.hand_plan("llama-tiny", devices=2, profile="cpu-gloo-local", batch_size=4, seq_len=16, **args)
+
+
+def test_a_whole_number_for_a_float_field_is_that_float() -> None:
+    """JSON has one number type: a client sending 1.0 sends 1, which transformers' strict
+    float fields refused ("expected float, got int"; review).  A string is still refused."""
+    from planner.presets import ConfigError, load_config
+
+    config = load_config({**PRESETS["llama-tiny"], "rms_norm_eps": 1, "initializer_range": 1})
+    assert config.rms_norm_eps == 1.0 and isinstance(config.rms_norm_eps, float)
+    with pytest.raises(ConfigError, match="^rms_norm_eps: Field 'rms_norm_eps' expected float, got str"):
+        load_config({**PRESETS["llama-tiny"], "rms_norm_eps": "1"})
