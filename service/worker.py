@@ -49,9 +49,26 @@ class ModelConfigError(PlanningInputError):
     config's keys, which the service places under the request's ``model.hf_config``."""
 
 
-def _worker_main(conn: Connection) -> None:
+def _die_with(parent: int) -> None:
+    """Linux: be killed when the server dies.  A server killed with SIGKILL closes the
+    pipe, which an idle worker notices, but a busy one went on solving for its full time
+    (~70 s seen; review).  The stdlib has no call for prctl's PR_SET_PDEATHSIG, hence
+    ctypes; elsewhere the pipe is the only signal."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the server died before the call
+        os._exit(1)
+
+
+def _worker_main(conn: Connection, parent: int) -> None:
     """Child process: import the planner once (seconds: torch, transformers), then
     serve jobs until the pipe closes."""
+    _die_with(parent)
     # Nothing a request says may make this process download anything.
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -94,7 +111,7 @@ class _Slot:
 
     def _start(self) -> None:
         self.conn, child = self._ctx.Pipe()
-        self.proc = self._ctx.Process(target=_worker_main, args=(child,), daemon=True, name="meshplan-planner")
+        self.proc = self._ctx.Process(target=_worker_main, args=(child, os.getpid()), daemon=True, name="meshplan-planner")
         self.proc.start()
         child.close()
 
