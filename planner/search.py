@@ -26,10 +26,11 @@ from typing import Any
 
 import networkx as nx
 import torch
+from pydantic import ValidationError
 
 from cost_model.compute import peak_flops
 from cost_model.memory import fsdp_gathered_bytes, state_bytes_per_param, usable_bytes
-from cost_model.profile import Profile, load_profile
+from cost_model.profile import Profile, load_profile, problem_lines
 from cost_model.step import (
     StageCost,
     StepBreakdown,
@@ -615,7 +616,10 @@ def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
     """Graph, profile and workload, the cheap checks before the trace (``say``: its progress line)."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise PlanningError(f"devices: must be a positive integer, got {devices!r}")
-    prof = load_profile(profile)
+    try:
+        prof = load_profile(profile)
+    except ValidationError as e:  # pydantic's multi-line text with URLs, as the CLI and HTTP name it
+        raise PlanningError("\n".join(f"profile.{line}" for line in problem_lines(e))) from None
     if prof.max_devices is not None and devices > prof.max_devices:
         raise PlanningError(f"devices: {devices} exceeds the {prof.max_devices} devices profile {prof.name!r} describes")
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):

@@ -925,3 +925,11 @@ def test_a_whole_number_for_a_float_field_is_that_float() -> None:
     assert config.rms_norm_eps == 1.0 and isinstance(config.rms_norm_eps, float)
     with pytest.raises(ConfigError, match="^rms_norm_eps: Field 'rms_norm_eps' expected float, got str"):
         load_config({**PRESETS["llama-tiny"], "rms_norm_eps": "1"})
+
+
+def test_an_invalid_inline_profile_is_a_planning_error_naming_its_fields() -> None:
+    """It was pydantic's ValidationError, each problem over lines with a URL (review)."""
+    with pytest.raises(planner.PlanningError) as e:
+        planner.plan("llama-tiny", devices=2, profile={"name": "x"})
+    lines = str(e.value).splitlines()
+    assert "profile.device_type: Field required" in lines and all(line.startswith("profile.") for line in lines)
