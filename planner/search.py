@@ -669,7 +669,8 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
     graph, prof, batch, seq, config = _resolve(model, devices, profile, batch_size, seq_len, say)
     divisor = _feature_divisor(graph, config) if config is not None else 1
     meshes = mesh_candidates(devices, prof, divisor, graph.graph["layers"], mesh, pipeline_blocker(graph))
-    pins = _constraint_pins(constraints, graph.graph["param_shapes"])
+    pins = _constraint_pins(constraints, graph.graph["param_shapes"],
+                            {tuple(n[1:] if n[0] == "pp" and sh[0] > 1 else n) for n, sh in meshes})
     say(f"traced {totals(graph)['nodes']} nodes ({graph.graph['traced_layers']} of "
         f"{graph.graph['layers']} layers exported) in {time.perf_counter() - t0:.1f}s; "
         f"searching {len(meshes)} mesh shape(s)")
@@ -779,13 +780,26 @@ def _pinned(pattern: str, fqn: str) -> bool:
     return pattern_matches(pattern, fqn) or pattern_matches(pattern, fqn_pattern(fqn))
 
 
-def _constraint_pins(constraints: Sequence[Mapping[str, Any]] | None, fqns: Iterable[str]) -> _Pins | None:
+def _constraint_pins(constraints: Sequence[Mapping[str, Any]] | None, fqns: Iterable[str],
+                     meshes: set[tuple[str, ...]]) -> _Pins | None:
+    """The pins, each checked against the model's parameters and the ``meshes`` searched
+    (their dims but pp's): a placement of the wrong form or count read "no placement
+    ... takes ... on any mesh tried", which did not say which (review)."""
     if not constraints:
         return None
     rules, fqns = [], list(fqns)
     for i, c in enumerate(constraints):
         if not isinstance(c, Mapping) or set(c) != {"param", "placements"}:
             raise PlanningError(f"constraints.{i}: expected {{'param': pattern, 'placements': [...]}}")
+        placements = c["placements"]
+        if isinstance(placements, str) or not isinstance(placements, Sequence):
+            raise PlanningError(f"constraints.{i}.placements: expected a list of placements, got {placements!r}")
+        bad = next((p for p in placements if not (isinstance(p, str) and re.fullmatch(r"R|S\(\d+\)", p))), None)
+        if bad is not None:
+            raise PlanningError(f"constraints.{i}.placements: {bad!r} is not a placement (R or S(d))")
+        if all(len(placements) != len(names) for names in meshes):
+            dims = " or ".join(sorted({", ".join(names) for names in meshes}, key=len))
+            raise PlanningError(f"constraints.{i}.placements: {len(placements)} given; one per mesh dim ({dims})")
         pattern = str(c["param"])
         if not any(_pinned(pattern, f) for f in fqns):
             names = sorted({fqn_pattern(f) for f in fqns})

@@ -933,3 +933,16 @@ def test_an_invalid_inline_profile_is_a_planning_error_naming_its_fields() -> No
         planner.plan("llama-tiny", devices=2, profile={"name": "x"})
     lines = str(e.value).splitlines()
     assert "profile.device_type: Field required" in lines and all(line.startswith("profile.") for line in lines)
+
+
+@pytest.mark.parametrize(("placements", "message"), [
+    (["R"], "constraints.0.placements: 1 given; one per mesh dim (dp, tp)"),
+    (["X", "R"], "constraints.0.placements: 'X' is not a placement (R or S(d))"),
+    ("R", "constraints.0.placements: expected a list of placements, got 'R'"),
+])
+def test_a_pin_of_the_wrong_form_says_what_is_wrong(placements: object, message: str) -> None:
+    """Both read "no placement of model.layers.0.mlp.up_proj takes ... on any mesh tried" (review)."""
+    with pytest.raises(planner.PlanningError, match=f"^{re.escape(message)}$"):
+        planner.plan("llama-tiny", devices=2, profile="cpu-gloo-local", batch_size=4, seq_len=16,
+                     mesh={"dp": 1, "tp": 2},
+                     constraints=[{"param": "model.layers.*.mlp.up_proj.weight", "placements": placements}])
