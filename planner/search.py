@@ -682,6 +682,7 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
         raise PlanningError(_nothing_fits(model, devices, prof, len(meshes), found))
     total = time.perf_counter() - t0
     say(f"best: {'x'.join(f'{n}={s}' for n, s in zip(best.ctx.mesh_names, best.ctx.mesh_shape))}"
+        f"{(' fsdp' if best.ctx.fsdp else ' replicate') if best.ctx.data_ranks > 1 else ''}"
         f"{f' pp={best.pp} ' + best.schedule if best.pp > 1 else ''}, "
         f"{best.prediction.time.step_time_s * 1e3:.1f} ms/step ({total:.1f}s)")
     for name in _idle_dims(best):

@@ -227,11 +227,18 @@ def cmd_estimate(args: argparse.Namespace) -> None:
                     virtual_stages=args.virtual_stages, batch_size=batch, seq_len=seq,
                     require_fit=False)  # a layout that does not fit is reported, fits false
     if args.json:
-        _out(json.dumps({"batch_size": batch, "seq_len": seq, **estimate_json(pred)}, indent=2))
+        layout = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "fsdp": args.fsdp, "sp": args.sp,
+                  "microbatches": args.microbatches, "checkpointing": args.checkpointing,
+                  "schedule": args.schedule or ("1f1b" if args.pp > 1 else None), "virtual_stages": args.virtual_stages}
+        _out(json.dumps({"batch_size": batch, "seq_len": seq, "layout": layout, **estimate_json(pred)}, indent=2))
     else:
         from service.terminal import render_prediction
 
-        _out(f"{args.model} on {args.devices} x {args.profile}: batch {batch} x seq {seq}, "
+        layout = " x ".join(f"{n}={v}" for n, v in (("pp", args.pp), ("dp", args.dp), ("tp", args.tp)) if v > 1)
+        extras = [w for w, on in (("fsdp", args.fsdp), ("sp", args.sp)) if on]
+        profile = _require("cost_model.profile", "load_profile")(args.profile).name
+        _out(f"{args.model} on {args.devices} x {profile}: {layout or 'one device'}"
+             f"{' ' + '+'.join(extras) if extras else ''}, batch {batch} x seq {seq}, "
              f"{args.microbatches} micro-batch(es)")
         _out(render_prediction(pred))
 
@@ -361,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a model on a cluster, print or write the plan JSON")
     _workload_args(p)
     p.add_argument("--mesh", type=parse_mesh, help="force a mesh, e.g. dp=8,tp=8 (default: search)")
-    p.add_argument("--time-limit", type=_limited("TimeLimit"), help="solver time limit in seconds (default: none)")
+    p.add_argument("--time-limit", type=_limited("TimeLimit"),
+                   help="seconds for the whole mesh search, tracing aside; meshes left are skipped (default: none)")
     p.add_argument("-o", "--output", help="write the plan here instead of printing it")
     p.set_defaults(func=cmd_plan, check=_check_plan)
 

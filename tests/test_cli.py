@@ -81,6 +81,17 @@ def test_estimate_json_has_the_promised_fields(capsys: pytest.CaptureFixture[str
         assert key in out
     assert out["step_time_s"] == out["breakdown"]["time"]["step_time_s"] > 0
     assert out["peak_memory_bytes_per_device"] == out["breakdown"]["memory"]["total"] > 0
+    # the layout priced, which a script comparing several estimates needs (review)
+    assert out["layout"] == {"dp": 2, "tp": 1, "pp": 1, "fsdp": True, "sp": False, "microbatches": 1,
+                             "checkpointing": "none", "schedule": None, "virtual_stages": 1}
+
+
+def test_estimate_names_the_layout_and_the_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The header printed the profile's path and no layout (review)."""
+    path = Path(__file__).parents[1] / "profiles" / f"{PROFILE}.json"
+    assert main(["estimate", *TINY[:3], "--profile", str(path), *TINY[5:], "--dp", "2", "--tp", "1", "--fsdp"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"llama-tiny on 2 x {PROFILE}: dp=2 fsdp, batch 4 x seq 32, 1 micro-batch(es)")
 
 
 def test_estimate_reports_a_layout_that_does_not_fit(tmp_path: Path,
@@ -109,7 +120,7 @@ def test_estimate_table(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     workload, head = out.splitlines()[:2]
     # the workload the defaults or flags chose (it was not shown)
-    assert workload == f"llama-tiny on 2 x {PROFILE}: batch 4 x seq 32, 1 micro-batch(es)"
+    assert workload == f"llama-tiny on 2 x {PROFILE}: tp=2 sp, batch 4 x seq 32, 1 micro-batch(es)"
     assert head.startswith("step time ") and "activations" in out and "exposed" in out
     assert re.search(r"memory \d+\.\d\d KiB of 80\.00 GiB", head)  # a tiny model's memory read 0.00 GiB
 
