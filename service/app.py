@@ -37,6 +37,7 @@ from cost_model.profile import (
     shipped_profiles,
 )
 from planner.presets import ConfigError
+from planner.schema import Plan
 from service.models import (
     JSON_VALUE_ERROR,
     ErrorResponse,
@@ -190,6 +191,16 @@ def _check_profile(profile: str | dict[str, Any]) -> str:
     return f"{inline.name} (inline {digest})"
 
 
+def _model_label(request: PlanRequest, plan: Plan) -> str:
+    """What the plan list shows for the model: a preset's name; an inline config's type
+    with the first 8 hex digits of the SHA-256 of its JSON, as inline profiles are told
+    apart (every one read "hf_config:llama"; review)."""
+    if isinstance(request.model, str):
+        return plan.model
+    digest = hashlib.sha256(json.dumps(request.model.hf_config, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{plan.model} (inline {digest})"
+
+
 async def _json_body(request: Request) -> None:
     """POST bodies must say they are JSON: FastAPI would otherwise validate the raw bytes
     of a form or text body and answer 'body: Input should be a valid dictionary'."""
@@ -296,7 +307,8 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
         except PlanningTimeout as e:
             raise HTTPException(504, str(e)) from None
         try:
-            return await run_in_threadpool(store.put, key, request.model_dump_json(), plan, profile_label)
+            return await run_in_threadpool(store.put, key, request.model_dump_json(), plan, profile_label,
+                                           _model_label(request, plan))
         except sqlite3.Error as e:  # locked by another process past busy_timeout, disk full, read-only
             raise HTTPException(503, f"store: the plan was made but could not be saved ({e}); try again",
                                 headers={"Retry-After": "10"}) from None

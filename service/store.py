@@ -94,11 +94,12 @@ class PlanStore:
     def id_for(request_key: str) -> str:
         return request_key[:ID_LENGTH]
 
-    def put(self, request_key: str, request_json: str, plan: Plan, profile: str | None = None) -> StoredPlan:
+    def put(self, request_key: str, request_json: str, plan: Plan, profile: str | None = None,
+            model: str | None = None) -> StoredPlan:
         """Insert and commit; an existing row for the same request wins (first writer).
-        ``profile``: the label the list shows (default: the plan's profile name)."""
+        ``profile``, ``model``: the labels the list shows (default: the plan's names)."""
         row = StoredPlan(
-            id=self.id_for(request_key), model=plan.model, devices=plan.devices,
+            id=self.id_for(request_key), model=model or plan.model, devices=plan.devices,
             profile=profile or plan.profile, created=time.time(),
             step_time_s=plan.prediction.time.step_time_s,
             mesh=json.dumps({d.name: d.size for d in plan.mesh.dims}), plan=plan.to_json(indent=None),

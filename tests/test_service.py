@@ -189,6 +189,13 @@ def test_hf_config_inline_and_inline_profile(server: ServerProcess) -> None:
                                              "profile": profile})
     assert status == 201, body
     assert Plan.model_validate(body["plan"]).devices == 2
+    # two inline configs of one type are told apart in the list (both read "hf_config:llama")
+    status, other = server.post("/v1/plans", {**TINY, "model": {"hf_config": {**PRESETS["llama-tiny"],
+                                                                              "num_hidden_layers": 1}}})
+    assert status == 201, other
+    labels = {p["id"]: p["model"] for p in server.get("/v1/plans?limit=1000")["plans"]}
+    assert labels[body["id"]] != labels[other["id"]]
+    assert labels[body["id"]].startswith("hf_config:llama (inline ") and body["plan"]["model"] == "hf_config:llama"
 
 
 def test_identical_concurrent_requests_solve_once(server: ServerProcess) -> None:
