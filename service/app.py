@@ -66,9 +66,15 @@ MAX_BODY_BYTES = 1 << 20
 # The viewer loads nothing from the network: only this origin's files.
 VIEWER_CSP = ("default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
               "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (404, 413, 422, 503, 504)
-}
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The error answers a route can give, for its OpenAPI entry (each listed all of
+    them, a 413 on a GET among them; review)."""
+    return {code: {"model": ErrorResponse} for code in codes}
+
+
+# a POST: a body that is not JSON or too large, a model or a plan that cannot be, busy or
+# overrunning workers, a planner failure
+_POST_ERRORS = _errors(400, 413, 422, 500, 503, 504)
 # No pattern: an id of the wrong form is an id that is not there (404), not a 422.
 PLAN_ID = PathParam(description=f"plan id ({ID_LENGTH} hex digits)")
 
@@ -316,7 +322,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
     @app.post("/v1/plans", status_code=201, response_model=PlanResponse, responses={
         200: {"model": PlanResponse, "description": "an identical request was planned before"},
         415: {"model": ErrorResponse, "description": "the body is not sent as application/json"},
-        **_ERRORS}, dependencies=[Depends(_json_body)])
+        **_POST_ERRORS}, dependencies=[Depends(_json_body)])
     async def create_plan(request: PlanRequest) -> Response:
         """Plan a model on a cluster; the same request again returns the stored plan (200)."""
         profile_label = _check_profile(request.profile)
@@ -357,7 +363,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
         rows, total = await run_in_threadpool(lambda: (store.list(limit, offset), store.count()))
         return PlanList(plans=[_summary(r) for r in rows], total=total)
 
-    @app.get("/v1/plans/{plan_id}", response_model=StoredPlanResponse, responses=_ERRORS)
+    @app.get("/v1/plans/{plan_id}", response_model=StoredPlanResponse, responses=_errors(404))
     async def get_plan(plan_id: str = PLAN_ID) -> Response:
         row = store.get(plan_id)
         if row is None:
@@ -365,11 +371,11 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
         raise HTTPException(404, f"plan_id: no plan {shown!r}")
         return _plan_response(row, 200)
 
-    @app.get("/v1/profiles", response_model=ProfileList, responses=_ERRORS)
+    @app.get("/v1/profiles", response_model=ProfileList)
     def list_profiles() -> ProfileList:
         return ProfileList(profiles=list(_shipped_profiles()))
 
-    @app.get("/v1/profiles/{name}", responses=_ERRORS)
+    @app.get("/v1/profiles/{name}", responses=_errors(404))
     def get_profile(name: str) -> dict[str, Any]:
         """The profile's numbers (bandwidths, peak FLOP/s, memory)."""
         if name not in _shipped_profiles():
