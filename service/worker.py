@@ -53,7 +53,9 @@ def _die_with(parent: int) -> None:
     """Linux: be killed when the server dies.  A server killed with SIGKILL closes the
     pipe, which an idle worker notices, but a busy one went on solving for its full time
     (~70 s seen; review).  The stdlib has no call for prctl's PR_SET_PDEATHSIG, hence
-    ctypes; elsewhere the pipe is the only signal."""
+    ctypes; elsewhere the pipe is the only signal.  The signal follows the thread that
+    started the worker: the event loop's, or for a restarted worker a thread of the
+    loop's executor, which lives as long as the loop."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
