@@ -368,7 +368,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
         row = store.get(plan_id)
         if row is None:
             shown = plan_id if len(plan_id) <= 64 else plan_id[:64] + "..."  # a 100 kB id was echoed whole
-        raise HTTPException(404, f"plan_id: no plan {shown!r}")
+            raise HTTPException(404, f"plan_id: no plan {shown!r}")
         return _plan_response(row, 200)
 
     @app.get("/v1/profiles", response_model=ProfileList)
