@@ -75,6 +75,7 @@ def save(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
             "rng": rng.get_state() if rng.is_active() else None,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "optimizer": optimizer is not None,
+            "tied": _tied(model),
         }
         (staging / RECORD).write_text(json.dumps(record, indent=2))
         if final.exists():
@@ -119,6 +120,11 @@ def load(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
         raise CheckpointError(f"model: {meta} is on the meta device (no storage to load into); "
                               "executor.apply the model first, which materialises it")
     record = _read_record(Path(path))
+    saved_ties = {frozenset(group) for group in record.get("tied", [])}  # absent before session 21
+    for group in _tied(model) if "tied" in record else []:
+        if frozenset(group) not in saved_ties:
+            raise CheckpointError(f"model: {' and '.join(group)} are one tensor in the model but were saved "
+                                  f"as separate tensors in {path}; loading would keep one of them for both")
     if optimizer is not None and not record["optimizer"]:
         raise CheckpointError(f"optimizer: {path} was saved without optimizer state")
     with _no_grads(optimizer):
@@ -134,6 +140,16 @@ def load(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     if record["rng"] is not None:
         rng.set_state(record["rng"])
     return record["step"]
+
+
+def _tied(model: nn.Module) -> list[list[str]]:
+    """Names that share one parameter (a head tied to its embedding), sorted.  A checkpoint
+    of an untied model loaded into a tied one passed the name and shape checks and put the
+    head's weights in the embedding (review)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return sorted(sorted(group) for group in names.values() if len(group) > 1)
 
 
 def _check_arguments(model: object, optimizer: object) -> None:

@@ -231,3 +231,20 @@ def test_arguments_are_checked_on_every_rank_before_anything_is_written(tmp_path
     # a model on the meta device has nothing to load into (DCP's BaseException before)
     with pytest.raises(CheckpointError, match=r"^model: model.embed_tokens.weight is on the meta device"):
         executor.load(tmp_path / "ck", model=build_model(load_config(PRESETS["llama-tiny"]), device="meta"))
+
+
+def test_an_untied_checkpoint_is_refused_by_a_tied_model(tmp_path: Path) -> None:
+    """Both names passed the key and shape checks and the head's weights landed in the
+    tied embedding (review).  The other way round is fine: each takes the one tensor."""
+    def llama(tied: bool) -> torch.nn.Module:
+        return build_model(load_config({**PRESETS["llama-tiny"], "tie_word_embeddings": tied}), device="cpu")
+
+    executor.save(tmp_path / "untied", model=llama(False))
+    with pytest.raises(CheckpointError, match=r"^model: lm_head.weight and model.embed_tokens.weight are one tensor"):
+        executor.load(tmp_path / "untied", model=llama(True))
+    tied = llama(True)
+    executor.save(tmp_path / "tied", model=tied)
+    untied = llama(False)
+    executor.load(tmp_path / "tied", model=untied)
+    assert torch.equal(untied.lm_head.weight, tied.lm_head.weight)
+    assert torch.equal(untied.model.embed_tokens.weight, tied.model.embed_tokens.weight)
