@@ -44,6 +44,7 @@ itemsize of the parameters (the model is traced in the training dtype: ``trace``
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import re
 import sys
@@ -160,10 +161,17 @@ def _export(model: nn.Module, batch_size: int, seq_len: int) -> torch.export.Exp
     kwargs: dict[str, Any] = {"use_cache": False} if hasattr(model, "config") else {}
     if "labels" in inspect.signature(model.forward).parameters:
         kwargs["labels"] = ids  # training computes the loss: trace it too
+    # torch's fake tensors log a failing op's traceback (~20 lines on stderr) before the
+    # exception this turns into one line; the exception keeps it as its cause
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
     try:
         return torch.export.export(model, (ids,), kwargs, strict=False)
     except Exception as e:  # torch.export raises many unrelated types; report one line
         raise ConfigError(f"model: torch.export failed on {type(model).__name__}: {str(e).splitlines()[0]}") from e
+    finally:
+        fake_log.setLevel(level)
 
 
 def _num_layers(config: PretrainedConfig) -> int:

@@ -264,3 +264,13 @@ def test_backward_of_a_llama_layer() -> None:
         assert residual["bwd_bytes"] == 3 * act  # its own gradient passes; the fork adds two
     rotary = [d for _, d in g.nodes(data=True) if d["kind"] == "call_function" and d["short"] in ("cos", "sin")]
     assert rotary and all(d["bwd_bytes"] == d["bwd_flops"] == 0 < d["bytes"] for d in rotary)
+
+
+def test_a_module_torch_export_cannot_trace_is_one_line(capfd: pytest.CaptureFixture[str]) -> None:
+    """torch's fake tensors logged ~20 lines of traceback to stderr before it (review)."""
+    import planner
+    from planner.presets import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model: torch.export failed on Linear: "):
+        planner.plan(torch.nn.Linear(4, 4), devices=2, profile="cpu-gloo-local", batch_size=4, seq_len=16)
+    assert "Traceback" not in capfd.readouterr().err
