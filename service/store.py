@@ -68,7 +68,7 @@ class PlanStore:
         self._writer.execute("PRAGMA journal_mode=WAL")
         self._writer.executescript(_SCHEMA)
         self._local = threading.local()
-        self._readers: list[sqlite3.Connection] = []
+        self._readers: list[tuple[threading.Thread, sqlite3.Connection]] = []
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -82,12 +82,19 @@ class PlanStore:
             db = self._local.db = self._connect()
             db.execute("PRAGMA query_only=ON")
             with self._write_lock:
-                self._readers.append(db)
+                # the thread pool retires idle threads and starts new ones: close the
+                # connections of threads that are gone (each burst of requests added
+                # connections and file descriptors for good; review)
+                for thread, old in self._readers:
+                    if not thread.is_alive():
+                        old.close()
+                self._readers = [(t, c) for t, c in self._readers if t.is_alive()]
+                self._readers.append((threading.current_thread(), db))
         return db
 
     def close(self) -> None:
         with self._write_lock:
-            for db in [*self._readers, self._writer]:
+            for db in [*(c for _, c in self._readers), self._writer]:
                 db.close()
 
     @staticmethod

@@ -480,3 +480,20 @@ def test_a_busy_worker_dies_with_a_killed_server(tmp_path: Path) -> None:
         while any(map(_running, workers)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [w for w in workers if _running(w)]
+
+
+def test_reader_connections_of_finished_threads_are_closed(tmp_path: Path) -> None:
+    """The thread pool retires idle threads and starts new ones; each new thread's
+    connection was kept for good, with its file descriptors (review)."""
+    from service.store import PlanStore
+
+    store = PlanStore(tmp_path / "plans.db")
+    for _ in range(5):
+        threads = [threading.Thread(target=store.list, args=(10, 0)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    store.count()  # this thread's connection: the finished threads' are closed on the way
+    assert len(store._readers) == 1
+    store.close()
