@@ -239,8 +239,8 @@ def _for_model(model_type: str, kwargs: dict[str, Any]) -> PretrainedConfig:
         except StrictDataclassError as e:
             field = re.search(r"field '(\w+)' expected float, got int", str(e), re.IGNORECASE)
             value = kwargs.get(field[1]) if field else None
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise
+            if not isinstance(value, int) or isinstance(value, bool) or abs(value) > 1e308:
+                raise  # (float() of an int past the largest float overflows)
             kwargs = {**kwargs, field[1]: float(value)}
 
 
@@ -285,27 +285,37 @@ def model_name(source: Any) -> str:
     return str(source)
 
 
-_BUILD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, RuntimeError)
+_BUILD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, RuntimeError, ArithmeticError)
+_CULPRIT_TRIALS = 32  # keys tried at most when naming the one a build fails on
+
+
+def _given(config: PretrainedConfig) -> dict[str, Any]:
+    return {k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")}
+
+
+def _builds(config_type: type[PretrainedConfig], kwargs: dict[str, Any]) -> bool:
+    """Whether a model builds on the meta device from these settings (nothing allocated)."""
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config_type(**kwargs), trust_remote_code=False)
+    except Exception:  # noqa: BLE001 - any failure counts
+        return False
+    return True
 
 
 def _culprit(config: PretrainedConfig) -> str | None:
     """The one key of ``config`` without which (at its class's default) its model builds:
     what a message about a model transformers cannot build names.  Only on that error's
-    path; one meta-device build per key the config sets (~1 s each for Llama 3 405B)."""
-    def builds(kwargs: dict[str, Any]) -> bool:
-        try:
-            with torch.device("meta"):
-                AutoModelForCausalLM.from_config(type(config)(**kwargs), trust_remote_code=False)
-        except Exception:  # noqa: BLE001 - any failure counts
-            return False
-        return True
-
-    given = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")}
-    if builds(given):  # the round trip through to_dict lost what failed: no key to blame
+    path; one meta-device build per key the config sets (~1 s each for Llama 3 405B),
+    the keys its class knows first, at most ``_CULPRIT_TRIALS``."""
+    given, kind = _given(config), type(config)
+    if _builds(kind, given):  # the round trip through to_dict lost what failed: no key to blame
         return None
-    defaults = type(config)().to_dict()
-    return next((key for key in given if not (key in defaults and defaults[key] == given[key])
-                 and builds({k: v for k, v in given.items() if k != key})), None)
+    defaults = kind().to_dict()
+    changed = [k for k in given if not (k in defaults and defaults[k] == given[k])]
+    changed.sort(key=lambda k: k not in defaults)
+    return next((k for k in changed[:_CULPRIT_TRIALS] if _builds(kind, {n: v for n, v in given.items() if n != k})),
+                None)
 
 
 def build_model(config: PretrainedConfig, device: str | torch.device = "meta",
@@ -316,6 +326,8 @@ def build_model(config: PretrainedConfig, device: str | torch.device = "meta",
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=dtype)
     except _BUILD_ERRORS as e:
+        if torch.device(device).type != "meta" and _builds(type(config), _given(config)):
+            raise  # the config builds: the device failed (out of memory, ...), not the config
         # transformers checks a config's fields only as far as its dataclass types go; a
         # value it accepted may still break the modules it builds (a string rope_theta in a
         # power, a dict where a sub-config object is read, a negative width)

@@ -946,3 +946,15 @@ def test_a_pin_of_the_wrong_form_says_what_is_wrong(placements: object, message:
         planner.plan("llama-tiny", devices=2, profile="cpu-gloo-local", batch_size=4, seq_len=16,
                      mesh={"dp": 1, "tp": 2},
                      constraints=[{"param": "model.layers.*.mlp.up_proj.weight", "placements": placements}])
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("rms_norm_eps", 10**400, "rms_norm_eps: Field 'rms_norm_eps' expected float, got int"),  # float() overflowed
+    ("rope_theta", 10**30, "rope_parameters: transformers cannot build a llama model with"),  # OverflowError
+])
+def test_numbers_past_the_floats_are_config_errors(key: str, value: int, message: str) -> None:
+    """An OverflowError escaped both as a 500 over HTTP (code review)."""
+    from planner.presets import ConfigError, build_model, load_config
+
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        build_model(load_config({**PRESETS["llama-tiny"], key: value}))
