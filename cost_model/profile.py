@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -30,6 +30,17 @@ class _Strict(BaseModel):
     # let through and the ILP then refuses with an error naming no field; and a number:
     # memory_bytes true read as 1 byte, "6319125504" as a number (strict; review)
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_floats_are_ints(cls, data: Any) -> Any:
+        """JSON has one number type: a Python client's ``80e9`` arrives as 80000000000.0,
+        which strict int fields refuse; a whole float there is taken as its int."""
+        if not isinstance(data, dict):
+            return data
+        ints = {name for name, f in cls.model_fields.items()
+                if f.annotation is int or (int in get_args(f.annotation) and float not in get_args(f.annotation))}
+        return {k: int(v) if k in ints and isinstance(v, float) and v.is_integer() else v for k, v in data.items()}
 
 
 class CollectiveBandwidth(_Strict):

@@ -53,6 +53,8 @@ def save(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     _check_arguments(model, optimizer)
     if step is not None:  # checked on every rank before anything is written: rank 0 alone
         try:              # failed on a numpy int after the shards, and left the rest waiting
+            if isinstance(step, bool):
+                raise TypeError
             step = operator.index(step)
         except TypeError:
             raise TypeError(f"step: expected an int or None, got {type(step).__name__} {step!r}") from None

@@ -106,10 +106,10 @@ def check(plan: Plan, model: nn.Module, dry_run: bool) -> tuple[Cuts | None, lis
         problems.append(f"pipeline.virtual_stages: {spec.virtual_stages} with schedule {spec.schedule!r}; "
                         "only interleaved-1f1b runs several stages per rank")
     pp = plan.mesh.size_of(spec.dim)
-    if spec.schedule != "gpipe" and plan.microbatches < pp:
-        problems.append(f"microbatches: {plan.microbatches} with {spec.schedule} on {spec.dim}={pp}; a 1F1B "
-                        "schedule needs at least one micro-batch per stage (torch.distributed.pipelining)")
-    elif spec.schedule == "interleaved-1f1b" and plan.microbatches % pp:
+    if spec.schedule == "1f1b" and plan.microbatches < pp:
+        problems.append(f"microbatches: {plan.microbatches} with 1f1b on {spec.dim}={pp}; the 1F1B schedule "
+                        "needs at least one micro-batch per stage (torch.distributed.pipelining)")
+    if spec.schedule == "interleaved-1f1b" and plan.microbatches % pp:
         problems.append(f"microbatches: {plan.microbatches} with interleaved-1f1b on {spec.dim}={pp}; the "
                         "interleaved schedule runs micro-batches in rounds of pp, so it needs a multiple of pp")
     if not (callable(getattr(model, "get_input_embeddings", None)) and hasattr(model, "loss_function")):

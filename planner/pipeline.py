@@ -315,7 +315,7 @@ def best_pipeline(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: 
         b = compose_step([s.cost for s in stages], ctx.microbatches, schedule, virtual)
         # on a tie in time the leaner schedule (1F1B holds fewer micro-batches' activations
         # than GPipe, which won ties before: review)
-        key = (b.step_time_s, max(s.memory for s in stages))
+        key = (float(f"{b.step_time_s:.9g}"), max(s.memory for s in stages))  # equal to 9 digits: a tie
         if best is None or key < best_key:
             best, best_key = (stages, schedule, virtual, b), key
     return best

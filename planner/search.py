@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import difflib
 import functools
+import json
 import math
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import networkx as nx
@@ -49,7 +49,7 @@ from planner.pipeline import (
     schedule_blocker,
     stage_modules,
 )
-from planner.presets import PRESETS, default_seq_len, load_config
+from planner.presets import default_seq_len, load_config
 from planner.schema import (
     Alternative,
     DataParallelDim,
@@ -630,23 +630,24 @@ def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
     dtype = _training_dtype(prof)
     if say is not None:
         say(f"tracing {model if isinstance(model, str) else type(model).__name__} ...")
-    graph = _trace_named(model, _file_text(model), seq_len, dtype) if isinstance(model, str) else trace(
+    graph = _trace_named(model, _config_key(config), seq_len, dtype) if isinstance(model, str) else trace(
         config if config is not None else model, 1, seq_len, dtype)
     return graph, prof, batch, seq_len, config
 
 
-def _file_text(model: str) -> str:
-    """A config file's contents ('' for a preset name), part of the trace cache's key."""
-    return Path(model).read_text() if model not in PRESETS and Path(model).is_file() else ""
+def _config_key(config: Any) -> str:
+    """The loaded config as JSON, part of the trace cache's key: a config file (or a
+    directory's config.json) edited between two plans of one process is traced again."""
+    return json.dumps(config.to_dict(), sort_keys=True, default=str)
 
 
 @functools.lru_cache(maxsize=8)
-def _trace_named(model: str, contents: str, seq_len: int, dtype: torch.dtype) -> nx.DiGraph:
+def _trace_named(model: str, config: str, seq_len: int, dtype: torch.dtype) -> nx.DiGraph:
     """Graphs of named models are reused: a plan and the estimates that check it, or a
     service worker answering many requests, trace each (model, seq_len, dtype) once.
-    A config file is keyed by its ``contents`` too: edited between two plans of one
-    process, it was planned as the model it described first (review).  Callers never
-    mutate the graph."""
+    Keyed by the ``config`` it names too: a config file edited between two plans of one
+    process was planned as the model it described first (review).  Callers never mutate
+    the graph."""
     return trace(model, 1, seq_len, dtype)
 
 

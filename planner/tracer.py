@@ -48,6 +48,7 @@ import logging
 import math
 import re
 import sys
+import threading
 from collections import defaultdict
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -153,6 +154,17 @@ class _Export:
     layers: int
 
 
+class _ThreadFilter(logging.Filter):
+    """Drops the records one thread logs."""
+
+    def __init__(self, thread: int) -> None:
+        super().__init__()
+        self.thread = thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread
+
+
 def _export(model: nn.Module, batch_size: int, seq_len: int) -> torch.export.ExportedProgram:
     # the ids live where the weights do: torch 2.11's fake tensors refuse a CPU model's
     # embedding of meta ids (2.13 lets the meta device win)
@@ -162,16 +174,17 @@ def _export(model: nn.Module, batch_size: int, seq_len: int) -> torch.export.Exp
     if "labels" in inspect.signature(model.forward).parameters:
         kwargs["labels"] = ids  # training computes the loss: trace it too
     # torch's fake tensors log a failing op's traceback (~20 lines on stderr) before the
-    # exception this turns into one line; the exception keeps it as its cause
+    # exception this turns into one line; the exception keeps it as its cause.  A filter
+    # on this thread's records only: other threads' traces log as they would
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = fake_log.level
-    fake_log.setLevel(logging.CRITICAL)
+    quiet = _ThreadFilter(threading.get_ident())
+    fake_log.addFilter(quiet)
     try:
         return torch.export.export(model, (ids,), kwargs, strict=False)
     except Exception as e:  # torch.export raises many unrelated types; report one line
         raise ConfigError(f"model: torch.export failed on {type(model).__name__}: {str(e).splitlines()[0]}") from e
     finally:
-        fake_log.setLevel(level)
+        fake_log.removeFilter(quiet)
 
 
 def _num_layers(config: PretrainedConfig) -> int:

@@ -354,7 +354,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
             row = await flights.run(key, lead)
         return _plan_response(row, 201 if led else 200, not led)
 
-    @app.get("/v1/plans", response_model=PlanList)
+    @app.get("/v1/plans", response_model=PlanList, responses=_errors(422))
     async def list_plans(limit: int = Query(100, ge=1, le=1000),
                          offset: int = Query(0, ge=0, le=1 << 31)) -> PlanList:
         """Newest first."""
@@ -367,8 +367,8 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
     async def get_plan(plan_id: str = PLAN_ID) -> Response:
         row = store.get(plan_id)
         if row is None:
-            shown = plan_id if len(plan_id) <= 64 else plan_id[:64] + "..."  # a 100 kB id was echoed whole
-            raise HTTPException(404, f"plan_id: no plan {shown!r}")
+            shown = repr(plan_id) if len(plan_id) <= 64 else f"{plan_id[:64]!r}... ({len(plan_id)} characters)"
+            raise HTTPException(404, f"plan_id: no plan {shown}")  # a 100 kB id was echoed whole
         return _plan_response(row, 200)
 
     @app.get("/v1/profiles", response_model=ProfileList)

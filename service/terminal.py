@@ -112,7 +112,9 @@ def render_plan(plan: Plan) -> str:
         ranks = mesh.size_of(pp.dim)
         per_rank = pp.virtual_stages > 1 and len(pp.stages) == ranks  # dealt out to virtual stages by apply
         out.append(f"pipeline: {pp.schedule} on {pp.dim}={ranks}, {len(pp.stages)} stages, {pp.virtual_stages} per rank"
-                   + (" (each row one rank's layers, dealt out in model order to its virtual stages)" if per_rank else ""))
+                   + (f" (each row gives a rank's layer count; apply deals the layers out in model order over "
+                      f"all {len(pp.stages) * pp.virtual_stages} virtual stages, stage s on rank s % {ranks})"
+                      if per_rank else ""))
         out.append(table(["stage", f"{pp.dim} rank", "time", "modules"], [
             (s.index, s.index if per_rank else s.index % ranks, seconds(s.predicted_time_s),
              f"{s.modules[0]} .. {s.modules[-1]} ({len(s.modules)})" if len(s.modules) > 3 else ", ".join(s.modules))

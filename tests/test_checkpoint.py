@@ -222,6 +222,8 @@ def test_arguments_are_checked_on_every_rank_before_anything_is_written(tmp_path
     model = build_model(load_config(PRESETS["llama-tiny"]), device="cpu")
     with pytest.raises(TypeError, match=r"^step: expected an int or None, got float 1.5$"):
         executor.save(tmp_path / "ck", model=model, step=1.5)
+    with pytest.raises(TypeError, match=r"^step: expected an int or None, got bool True$"):
+        executor.save(tmp_path / "ck", model=model, step=True)
     with pytest.raises(TypeError, match=r"^model: expected a torch.nn.Module, got NoneType$"):
         executor.save(tmp_path / "ck", model=None)
     assert not list(tmp_path.iterdir())  # nothing written

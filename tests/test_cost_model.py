@@ -884,3 +884,17 @@ def test_loss_mean_and_partial_gradients(toy):
     # ... unless FSDP2 owns the gradients (data-parallel dims): one each
     assert partial_grad_time(toy, [2, 4], norms, bucketed=False) == pytest.approx(
         9 * collective_time(toy, "all_reduce", 1024, [2, 4], 1))
+
+
+def test_profile_numbers_are_numbers_and_whole_floats_are_ints():
+    """Strict: a bool or a string where a number goes is refused (memory_bytes true was
+    1 byte); a whole float for an int is its int, as JSON clients send 80e9 (code review)."""
+    from pydantic import ValidationError
+
+    from cost_model.profile import load_profile
+
+    base = {**load_profile("h100-sxm-80g").model_dump(mode="json"), "name": "mine"}
+    assert load_profile({**base, "memory_bytes": 80e9}).memory_bytes == 80_000_000_000
+    for bad in (True, "80000000000", 80e9 + 0.5):
+        with pytest.raises(ValidationError, match="memory_bytes"):
+            load_profile({**base, "memory_bytes": bad})

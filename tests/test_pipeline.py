@@ -482,7 +482,7 @@ def test_1f1b_needs_a_micro_batch_per_stage(plans: dict[str, Plan]) -> None:
     """Passed apply and failed in torch's schedule at the first step (review)."""
     plan = plans["pp2"].model_copy(deep=True)
     plan.pipeline.schedule, plan.pipeline.virtual_stages, plan.microbatches = "1f1b", 1, 1
-    assert "microbatches: 1 with 1f1b on pp=2; a 1F1B schedule needs at least one micro-batch per stage" in _refused(plan)
+    assert "microbatches: 1 with 1f1b on pp=2; the 1F1B schedule needs at least one micro-batch per stage" in _refused(plan)
 
 
 def test_interleaved_micro_batches_come_in_rounds_of_pp(plans: dict[str, Plan]) -> None:

@@ -896,6 +896,13 @@ def test_an_edited_config_file_is_traced_again(tmp_path) -> None:
     second = planner.plan(str(path), devices=1, profile="cpu-gloo-local", batch_size=2, seq_len=16)
     assert first.fingerprint.counts["model.layers.*.mlp.up_proj.weight"] == 2
     assert second.fingerprint.counts["model.layers.*.mlp.up_proj.weight"] == 3
+    # named by its directory, as load_config takes it (code review)
+    path.write_text(json.dumps({**PRESETS["llama-tiny"], "num_hidden_layers": 4}))
+    third = planner.plan(str(tmp_path), devices=1, profile="cpu-gloo-local", batch_size=2, seq_len=16)
+    assert third.fingerprint.counts["model.layers.*.mlp.up_proj.weight"] == 4
+    path.write_text(json.dumps({**PRESETS["llama-tiny"], "num_hidden_layers": 1}))
+    fourth = planner.plan(str(tmp_path), devices=1, profile="cpu-gloo-local", batch_size=2, seq_len=16)
+    assert fourth.fingerprint.counts["model.layers.*.mlp.up_proj.weight"] == 1
 
 
 def test_a_tie_between_pipeline_schedules_goes_to_the_leaner() -> None:

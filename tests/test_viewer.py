@@ -351,3 +351,14 @@ def test_an_interleaved_pipeline_shows_each_stages_rank(tmp_path: Path) -> None:
                                                           ["stage 3", "1"]], cells[:16]
     table = render_plan(plan)
     assert re.search(r"^2 +0 ", table, re.M) and re.search(r"^3 +1 ", table, re.M), table
+    # a plan may list one row per rank instead (a layer count each, which apply deals out
+    # over all virtual stages): said so, not "this rank's layers" (code review)
+    per_rank = plan.model_copy(deep=True)
+    first, second, third, fourth = per_rank.pipeline.stages
+    first.modules += second.modules
+    third.modules += fourth.modules
+    third.index = 1
+    per_rank.pipeline.stages = [first, third]
+    assert "each row gives a rank's layer count" in render_plan(per_rank)
+    page = _open_file(tmp_path, "per-rank.json", per_rank.to_json())
+    assert any(t.startswith("Each row gives one pp rank's layer count") for t in page.text), page.text

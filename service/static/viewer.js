@@ -291,8 +291,8 @@ function pipelineSection(plan) {
   const pp = (plan.mesh.dims.find((d) => d.name === p.dim) || { size: p.stages.length }).size;
   const perRank = p.virtual_stages > 1 && p.stages.length === pp;
   return section(`Pipeline: ${p.schedule}, ${p.stages.length} stages on ${p.dim}=${pp}, ${p.virtual_stages} per rank`,
-    perRank ? el("p", { class: "muted" }, `Each row is one ${p.dim} rank's layers, dealt out in model order to its ` +
-      `${p.virtual_stages} virtual stages when the plan is applied.`) : null,
+    perRank ? el("p", { class: "muted" }, `Each row gives one ${p.dim} rank's layer count: applying the plan deals ` +
+      `the layers out in model order over all ${pp * p.virtual_stages} virtual stages, stage s on rank s % ${pp}.`) : null,
     el("table", { id: "pipeline" },
       el("thead", {}, el("tr", {}, ["stage", `${p.dim} rank`, p.virtual_stages > 1 && !perRank ? "predicted time per virtual stage" : "predicted time",
         "modules"].map((h) => el("th", {}, h)))),
