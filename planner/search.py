@@ -845,10 +845,10 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
     given_schedule, schedule = schedule, schedule or "1f1b"
     if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
         raise PlanningError(f"schedule: expected gpipe, 1f1b or interleaved-1f1b, got {schedule!r}")
+    if virtual_stages > 1 and pp == 1:  # first: without a pipeline no schedule helps
+        raise PlanningError(f"virtual_stages: {virtual_stages} needs a pipeline (pp > 1)")
     if virtual_stages > 1 and schedule != "interleaved-1f1b":
         raise PlanningError(f"virtual_stages: {virtual_stages} needs schedule interleaved-1f1b")
-    if virtual_stages > 1 and pp == 1:
-        raise PlanningError(f"virtual_stages: {virtual_stages} needs a pipeline (pp > 1)")
     if given_schedule is not None and pp == 1:
         raise PlanningError(f"schedule: {given_schedule} needs a pipeline (pp > 1)")
     if fsdp and dp == 1:

@@ -74,7 +74,7 @@ def render_prediction(pred: Prediction) -> str:
         ("compute", seconds(t.compute_s)), ("  of it recomputation", seconds(t.recompute_s)),
         ("communication (all)", seconds(t.communication_s)),
         ("communication (exposed)", seconds(t.exposed_communication_s)),
-        ("resharding", seconds(t.resharding_s)), ("pipeline bubble", seconds(t.pipeline_bubble_s)),
+        ("  of it resharding", seconds(t.resharding_s)), ("pipeline bubble", seconds(t.pipeline_bubble_s)),
         ("optimizer", seconds(t.optimizer_s)), ("step", seconds(t.step_time_s))])
     memory = table(["memory per device", "bytes"], [
         ("parameters", nbytes(m.parameters)), ("gradients", nbytes(m.gradients)),

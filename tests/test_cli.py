@@ -210,6 +210,8 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["estimate", *TINY, "--dp", "1", "--tp", "2", "--fsdp"], "fsdp: shards over the data-parallel dim, and dp is 1"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--sp"], "sp: shards the sequence over the tensor-parallel dim"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "gpipe"], "schedule: gpipe needs a pipeline (pp > 1)"),
+    # without a pipeline first, as docs/service.md says (it named the schedule; review)
+    (["estimate", *TINY, "--dp", "2", "--tp", "1", "--virtual-stages", "2"], "virtual_stages: 2 needs a pipeline (pp > 1)"),
     # the mesh's size first (it said "microbatches: 1 < pp=64")
     (["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "64"], "devices: dp*tp*pp = 64, but devices=2"),
     # blamed the model ("sequence parallelism is not available for this model")
