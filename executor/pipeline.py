@@ -499,8 +499,9 @@ class _Runner:
         if state is not None and not self.cuts.counted:
             # the stages' draws were counted as 0: every step would redraw the first step's
             # dropout masks, and every stage its neighbours' (review)
-            raise PipelineError("executor.rng.manual_seed was called after executor.apply: under a pipeline "
-                                "plan apply counts each stage's random draws, which needs the seed; call "
+            raise PipelineError("executor.rng was seeded after executor.apply (by manual_seed, or by "
+                                "executor.load restoring a seeded run): under a pipeline plan apply counts "
+                                "each stage's random draws, which needs the seed; call "
                                 "executor.rng.manual_seed before executor.apply")
         self._base = state["counter"] if state is not None else 0
         losses: list[torch.Tensor] = []

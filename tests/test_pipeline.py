@@ -475,7 +475,7 @@ def test_a_loop_that_seeds_after_apply_is_told_to_seed_first(world2: dict) -> No
     """apply counts each stage's draws only when seeded: seeded after it, every step redrew
     the first step's dropout masks and matched no single-device run (review)."""
     for rank in world2["ranks"]:
-        assert rank["seeded_late"].startswith("executor.rng.manual_seed was called after executor.apply"), rank
+        assert rank["seeded_late"].startswith("executor.rng was seeded after executor.apply"), rank
 
 
 def test_1f1b_needs_a_micro_batch_per_stage(plans: dict[str, Plan]) -> None:
