@@ -611,20 +611,26 @@ def default_shape(model: Any, devices: int, batch_size: int | None = None,
         default_seq_len(model) if seq_len is None else seq_len)
 
 
+def _positive_ints(optional: bool = False, **values: Any) -> None:
+    """Refuse, by name, a value that is not a positive int (a bool is not; None is where
+    ``optional``)."""
+    for name, value in values.items():
+        if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, int)
+                                                    or value < 1):
+            raise PlanningError(f"{name}: must be a positive integer, got {value!r}")
+
+
 def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
              seq_len: int | None, say: Progress | None = None) -> tuple[nx.DiGraph, Profile, int, int, Any]:
     """Graph, profile and workload, the cheap checks before the trace (``say``: its progress line)."""
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        raise PlanningError(f"devices: must be a positive integer, got {devices!r}")
+    _positive_ints(devices=devices)
     try:
         prof = load_profile(profile)
     except ValidationError as e:  # pydantic's multi-line text with URLs, as the CLI and HTTP name it
         raise PlanningError("\n".join(f"profile.{line}" for line in problem_lines(e))) from None
     if prof.max_devices is not None and devices > prof.max_devices:
         raise PlanningError(f"devices: {devices} exceeds the {prof.max_devices} devices profile {prof.name!r} describes")
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise PlanningError(f"{name}: must be a positive integer, got {value!r}")
+    _positive_ints(optional=True, batch_size=batch_size, seq_len=seq_len)
     config = None if hasattr(model, "named_parameters") else load_config(model)
     batch, seq_len = default_shape(config if config is not None else model, devices, batch_size, seq_len)
     dtype = _training_dtype(prof)
@@ -838,10 +844,8 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
     False: then it is priced with the memory bound lifted and comes back with
     ``prediction.memory.fits`` False, so that ``estimate --json`` can report what it needs."""
     t0 = time.perf_counter()
-    for name, value in (("devices", devices), ("dp", dp), ("tp", tp), ("pp", pp), ("microbatches", microbatches),
-                        ("virtual_stages", virtual_stages)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # "2" compared with ints (review)
-            raise PlanningError(f"{name}: must be a positive integer, got {value!r}")
+    _positive_ints(devices=devices, dp=dp, tp=tp, pp=pp, microbatches=microbatches,  # dp="2" was a TypeError
+                   virtual_stages=virtual_stages)
     given_schedule, schedule = schedule, schedule or "1f1b"
     if schedule not in ("gpipe", "1f1b", "interleaved-1f1b"):
         raise PlanningError(f"schedule: expected gpipe, 1f1b or interleaved-1f1b, got {schedule!r}")
