@@ -22,10 +22,13 @@ documented in docs/rng.md: a module's random init lives in its
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from executor import rng
 
@@ -174,11 +177,12 @@ def materialize(
     with torch.no_grad():
         _clear_hf_flags(model)
         for module in _construction_order(model):
-            _reset(module)
-            # A Hugging Face PreTrainedModel's __init__ ends with post_init(), which
-            # initialises its subtree there and then (nested models included).
-            if callable(getattr(module, "initialize_weights", None)):
-                module.initialize_weights()
+            with _WriteThrough():  # the gathered copies it remembers live for one module
+                _reset(module)
+                # A Hugging Face PreTrainedModel's __init__ ends with post_init(), which
+                # initialises its subtree there and then (nested models included).
+                if callable(getattr(module, "initialize_weights", None)):
+                    module.initialize_weights()
 
     for module, attr, fqn, is_param in slots:
         source = fresh[canonical[fqn]]
@@ -194,6 +198,107 @@ def materialize(
             f"exist only in the meta model's constructor: {', '.join(missing)}"
         )
     return model
+
+
+class _WriteThrough(TorchFunctionMode):
+    """Make an init's in-place write through an index reach the shard that holds it.
+
+    ``weight[padding_idx].zero_()`` (torch's ``nn.Embedding`` and HF's ``_init_weights``)
+    indexes a DTensor on a dim it is sharded by; DTensor answers with a gathered copy,
+    so the write is lost and the padding row keeps its random values on the rank that
+    holds it.  Here such a copy is remembered with its base and index, and after an
+    in-place op on it, each rank copies the part of it that falls in its own shard back
+    into that shard.  Only basic indexing (ints, slices, ``...``) is followed: on a
+    plain tensor any other index gives a copy too, and a write into it is lost there as
+    well.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor, Any]] = {}  # id -> (copy, base, index)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = getattr(func, "__name__", "")
+        target = args[0] if args else None
+        indexed = name in ("__getitem__", "__setitem__") and _is_dtensor(target) and _basic(args[1])
+        if indexed and name == "__setitem__":  # DTensor has no fill_.Tensor: write the shards here
+            values = target[args[1]].full_tensor().clone()
+            values[...] = args[2].full_tensor() if _is_dtensor(args[2]) else args[2]
+            self._write_back(target, args[1], values)
+            return None
+        out = func(*args, **(kwargs or {}))
+        if indexed:
+            if not _aliases(out, target):
+                self.copies[id(out)] = (out, target, args[1])
+        elif id(target) in self.copies and (name.endswith("_") and not name.startswith("_")
+                                           or _IN_PLACE_OPERATOR.fullmatch(name)):
+            copy, base, index = self.copies[id(target)]
+            self._write_back(base, index, copy.full_tensor())
+        return out
+
+    def _write_back(self, base: torch.Tensor, index: Any, values: torch.Tensor) -> None:
+        """Copy ``values`` (the new ``base[index]``) into this rank's shard of ``base``."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = base.to_local()
+        _, offset = compute_local_shape_and_global_offset(base.shape, base.device_mesh, base.placements)
+        box = _local_box(index, tuple(base.shape), tuple(offset), tuple(local.shape))
+        if box is not None:
+            local[box[0]] = values[box[1]]
+        if id(base) in self.copies:  # base is itself a copy of an index: on to its base
+            _, outer_base, outer_index = self.copies[id(base)]
+            self._write_back(outer_base, outer_index, base.full_tensor())
+
+
+_IN_PLACE_OPERATOR = re.compile(r"__i(add|sub|mul|truediv|floordiv|mod|pow|and|or|xor|lshift|rshift)__")
+
+
+def _is_dtensor(t: Any) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "placements")
+
+
+def _aliases(view: Any, base: torch.Tensor) -> bool:
+    """Whether ``view``'s local values live in ``base``'s local storage (or there are none)."""
+    local = base.to_local()
+    if local.numel() == 0 or not isinstance(view, torch.Tensor):
+        return True
+    own = view.to_local() if _is_dtensor(view) else view
+    return own.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+
+
+def _basic(index: Any) -> bool:
+    """Ints, slices and one ``...``: the indexes that view a plain tensor."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return parts.count(Ellipsis) <= 1 and all(
+        p is Ellipsis or isinstance(p, slice) or (isinstance(p, int) and not isinstance(p, bool)) for p in parts)
+
+
+def _local_box(index: Any, shape: tuple[int, ...], offset: tuple[int, ...],
+               local: tuple[int, ...]) -> tuple[tuple, tuple] | None:
+    """(index into the local shard, index into ``base[index]``) of their common part,
+    or None when this rank's shard holds none of it.  ``index`` is basic (``_basic``)."""
+    parts = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in parts:
+        at = parts.index(Ellipsis)
+        parts[at:at + 1] = [slice(None)] * (len(shape) - len(parts) + 1)
+    parts += [slice(None)] * (len(shape) - len(parts))
+    into_local: list[Any] = []
+    into_copy: list[Any] = []
+    for part, size, start, count in zip(parts, shape, offset, local, strict=True):
+        if isinstance(part, int):
+            i = part + size if part < 0 else part
+            if not start <= i < start + count:
+                return None
+            into_local.append(i - start)
+            continue
+        positions = torch.arange(size)[part]
+        held = ((positions >= start) & (positions < start + count)).nonzero().flatten()
+        if held.numel() == 0:
+            return None
+        first, last = int(held[0]), int(held[-1])
+        into_local.append(slice(int(positions[first]) - start, int(positions[last]) - start + 1, part.step))
+        into_copy.append(slice(first, last + 1))
+    return tuple(into_local), tuple(into_copy)
 
 
 def _clear_hf_flags(model: nn.Module) -> None:

@@ -28,6 +28,7 @@ LLAMA = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=64,
+    pad_token_id=100,  # init zeroes this row of the embedding: in rank 3's shard under Shard(0)
 )
 GPT2 = dict(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=2)  # tied lm_head
 
@@ -43,6 +44,27 @@ def _reference(config: dict, model_type: str) -> tuple[dict[str, torch.Tensor], 
     rng.manual_seed(SEED)
     model = build_model(cfg, "cpu")
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, rng.get_state()
+
+
+class _IndexedInit(nn.Module):
+    """An init that writes through indexes of its weight, as nn.Embedding's padding row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(10, 6))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        with torch.no_grad():
+            self.weight[1:9:3].fill_(2.0)  # rows 1, 4 and 7: in three of the shards
+            self.weight[-2] = 0.5  # an assignment, into the last full shard
+            self.weight[..., 2:4][5:].mul_(3.0)  # a column slice (a view), then rows of it
+
+
+def _indexed(device: str) -> nn.Module:
+    with torch.device(device):
+        return _IndexedInit()
 
 
 # ----------------------------------------------------------------------------- rank side
@@ -75,6 +97,11 @@ def _rank_cases() -> dict:
         return placements
 
     results: dict = {"rank": dist.get_rank()}
+    for name, mesh, places in (("indexed-S0", mesh1, [Shard(0)]), ("indexed-2d", mesh2, [Shard(0), Shard(1)])):
+        meta = materialize(_indexed("meta"), lambda fqn, mesh=mesh, places=places: (mesh, places), seed=SEED)
+        weight = meta.weight
+        _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+        results[name] = (weight.to_local().clone(), tuple(offset))
     for name in LAYOUTS:
         model_type, config = ("gpt2", GPT2) if name == "gpt2" else ("llama", LLAMA)
         cfg = LlamaConfig(**config) if model_type == "llama" else GPT2Config(**config)
@@ -116,6 +143,20 @@ def test_sharded_init_equals_single_device(rank_results: list[dict], layout: str
             box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))
             assert shape == tuple(expected[fqn].shape), fqn
             assert torch.equal(local, expected[fqn][box]), f"rank {res['rank']} {layout} {fqn}"
+
+
+@pytest.mark.parametrize("layout", ["indexed-S0", "indexed-2d"])
+def test_init_writes_through_an_index_reach_the_shard_that_holds_them(rank_results: list[dict],
+                                                                      layout: str) -> None:
+    """DTensor answers an index on a sharded dim with a gathered copy; materialize writes
+    what the init does to it back into the shards (the padding row above is one case)."""
+    rng.manual_seed(SEED)
+    expected = _indexed("cpu").weight.detach()
+    assert expected[4].eq(2.0).all() and expected[8, :2].eq(0.5).all()  # the writes are there to miss
+    for res in rank_results:
+        local, offset = res[layout]
+        box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))
+        assert torch.equal(local, expected[box]), f"rank {res['rank']} {layout}"
 
 
 def test_no_rank_holds_a_full_sharded_parameter(rank_results: list[dict]) -> None:
