@@ -122,6 +122,11 @@ def stage_modules(graph: nx.DiGraph, stages: list[Stage], virtual: int = 1) -> l
         target = before if n in first else after
         if mod not in target:
             target.append(mod)
+    # a module that runs before the layers runs there only, even where the trace also
+    # gives it a node outside the first layer's ancestors (Gemma's embedding: a dtype
+    # assertion nothing uses), since its parameters belong to one stage (tied ones:
+    # pipeline_blocker)
+    after = [m for m in after if m not in before]
     pp = len(stages)
     sizes = [(st.layers[1] - st.layers[0]) // virtual for st in stages]
     out, start = [], stages[0].layers[0]
