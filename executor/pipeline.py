@@ -11,11 +11,16 @@ original ones (a checkpoint saved with pp=2 loads with pp=1 and the other way ro
   through, so the model's own forward code still runs unchanged around it;
 * each stage is a *replica* of the model: its containers are shallow copies (their own
   child lists and hook tables), its kept modules are the very module objects of the
-  user's model.  Stage 0 is called with ``input_ids``; a later stage with
-  ``inputs_embeds=`` (the activation received from the stage before), which is why
-  only the input embedding may hold parameters before the first layer; a stage returns
-  ``logits``, which on a non-last stage are the hidden states (its norm and head are
-  stand-ins);
+  user's model.  Stage 0 is called with ``input_ids``, the last stage returns the
+  ``logits``.  A later stage is called with ``inputs_embeds=`` of the received
+  activation's shape, so the model's own code before the layers (rotary tables, masks)
+  runs, and a hook hands the received activation itself to the stage's first module:
+  what a model does to its embeddings first (Granite's multiplier, GPT-NeoX's
+  embedding dropout) is one device's stage 0's to do, not every stage's.  Only the
+  input embedding may therefore hold parameters before the first layer.  A non-last
+  stage sends its last module's output, taken by a hook, not what the model's forward
+  returns after it (a parameter-free final norm such as OLMo's, Cohere's logit scale
+  and Granite's logit divisor would run on every stage);
 * the user's model's ``forward(input_ids=, labels=)`` runs one whole training step of
   the plan's schedule (GPipe, 1F1B, interleaved 1F1B) and returns the step's loss.
 
@@ -228,6 +233,7 @@ def _dry_run(model: nn.Module, stages: list[list[str]]) -> tuple[Cuts | None, li
     active = rng.is_active()
     seen: dict[tuple[str, int], Any] = {}
     order: list[tuple[str, int]] = []  # stage starts and ends in the order the forward runs them
+    sent: dict[int, Any] = {}  # each stage's last module's output (the activation it sends on)
 
     def counter() -> int:
         return rng.get_state()["counter"] if active else 0
@@ -241,6 +247,7 @@ def _dry_run(model: nn.Module, stages: list[list[str]]) -> tuple[Cuts | None, li
     def at_end(s: int) -> Callable[..., None]:
         def hook(mod: nn.Module, args: tuple, out: Any) -> None:
             seen[("end", s)] = counter()
+            sent[s] = _main_output(out)
             order.append(("end", s))
         return hook
 
@@ -290,6 +297,12 @@ def _dry_run(model: nn.Module, stages: list[list[str]]) -> tuple[Cuts | None, li
     if ends[-1] != total:
         problems.append(f"pipeline.stages: the model draws random numbers after {stages[-1][-1]}, "
                         "outside every stage's modules")
+    for s in range(1, len(stages)):
+        if sent[s - 1] is not seen[("start", s)][1]:
+            # a stage sends its last module's output and the next hands it to its first module
+            problems.append(f"pipeline.stages: the model's forward changes the activation between "
+                            f"{stages[s - 1][-1]} (stage {s - 1}) and {stages[s][0]} (stage {s}); a stage "
+                            "boundary must fall where one module's output is the next one's input")
     inputs = tuple(None if s == 0 else _boundary(seen[("start", s)][1]) for s in range(len(stages)))
     if problems:
         return None, problems
@@ -301,6 +314,19 @@ def _main_input(args: tuple, kwargs: dict) -> torch.Tensor:
     if args and isinstance(args[0], torch.Tensor):
         return args[0]
     return next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+
+
+def _with_main_input(args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
+    """``args, kwargs`` with the tensor ``_main_input`` reads replaced by ``x``."""
+    if args and isinstance(args[0], torch.Tensor):
+        return (x, *args[1:]), kwargs
+    key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    return args, {**kwargs, key: x}
+
+
+def _main_output(out: Any) -> Any:
+    """A block's output activation: HF decoder layers return it alone or first in a tuple."""
+    return out[0] if isinstance(out, (tuple, list)) and out else out
 
 
 def _boundary(t: torch.Tensor) -> Boundary:
@@ -398,20 +424,51 @@ def _vocab_shards(plan: Plan, model: nn.Module) -> int:
                      if p == "S(0)" and d.name not in skip)
 
 
-def _stage_forward(replica: nn.Module, first: bool,
+def _stage_forward(replica: nn.Module, stage: Sequence[str], first: bool, last: bool,
                    logits: _ShardedLogits | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """The stage's forward: its input in, a plain tensor out (what PipelineStage sends):
     whole activations, or the last stage's vocabulary shard of the logits (``logits``).
+
+    A later stage's first module is handed the received activation by a pre-hook that
+    runs before the executor's own (which turn it into the DTensor the plan places there),
+    with the random-op counter put back to where it stood when the stage began, the
+    counter one device has there; a non-last stage's last module's output is taken by a
+    hook that runs after the executor's.  Both act once per stage call: a recomputation
+    in backward runs the modules again without them.
 
     Under tensor parallelism the activations inside are DTensors; tensors the model makes
     in its forward (masks, positions) are the same on every rank, so treating them as
     replicated is exact (as ``apply`` does at a whole model's root)."""
     run = replica.forward
+    call: dict[str, Any] = {}  # this call's received activation and counter, then its output
+
+    def enter(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if "received" not in call:
+            return None
+        if call["counter"] is not None:
+            rng.set_state(call.pop("counter"))
+        return _with_main_input(args, kwargs, call.pop("received"))
+
+    def leave(mod: nn.Module, args: tuple, out: Any) -> None:
+        if call.pop("sending", False):
+            call["sent"] = _main_output(out)
+
+    if not first:
+        replica.get_submodule(stage[0]).register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
+    if not last:
+        replica.get_submodule(stage[-1]).register_forward_hook(leave)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        inputs = {"input_ids": x} if first else {"inputs_embeds": x}
-        with implicit_replication():
-            out = run(**inputs, use_cache=False).logits
+        if not first:
+            call.update(received=x, counter=rng.get_state() if rng.is_active() else None)
+        call["sending"] = not last
+        inputs = {"input_ids": x} if first else {"inputs_embeds": torch.zeros_like(x)}
+        try:
+            with implicit_replication():
+                result = run(**inputs, use_cache=False).logits
+            out = call.pop("sent") if not last else result
+        finally:
+            call.clear()
         if not isinstance(out, DTensor):
             return out
         return logits.local(out) if logits is not None else out.full_tensor()
@@ -436,8 +493,9 @@ def pipelined(model: nn.Module, plan: Plan, cuts: Cuts, mesh: DeviceMesh,
     logits = _ShardedLogits(shards) if shards > 1 else None
     last = len(cuts.stages) - 1
     for s, replica in replicas.items():
-        replica.forward = _stage_forward(replica, first=s == 0, logits=logits if s == last else None)
-        prepare(replica)
+        prepare(replica)  # first: the stage's hooks run before and after the executor's
+        replica.forward = _stage_forward(replica, cuts.stages[s], first=s == 0, last=s == last,
+                                         logits=logits if s == last else None)
     runner = _Runner(model, plan, cuts, replicas, mesh.get_group(spec.dim), batch, mesh.device_type,
                      logits)
     model.forward = runner.step

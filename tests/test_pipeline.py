@@ -447,6 +447,21 @@ def test_stages_out_of_the_forward_order(plans: dict[str, Plan]) -> None:
     assert cuts is None and "pipeline.stages: the model's forward runs model.layers." in msg and "before model.norm (stage 0)" in msg
 
 
+def test_a_cut_where_the_forward_changes_the_activation(plans: dict[str, Plan]) -> None:
+    """A non-last stage sends its last module's output and the next stage hands it to
+    its first module, so whatever the forward does in between would be skipped."""
+    plan = plans["pp2"].model_copy(deep=True)
+    plan.pipeline.schedule, plan.pipeline.virtual_stages = "1f1b", 1
+    model = build_model(load_config({**CONFIG, "attention_dropout": 0.0}))
+    first = plan.pipeline.stages[1].modules[0]
+    model.get_submodule(first).register_forward_pre_hook(lambda m, args: (args[0] * 2.0, *args[1:]))
+    cuts, problems = pipeline.check(plan, model, dry_run=True)
+    assert cuts is None and problems == [
+        f"pipeline.stages: the model's forward changes the activation between {plan.pipeline.stages[0].modules[-1]} "
+        f"(stage 0) and {first} (stage 1); a stage boundary must fall where one module's output is the next "
+        "one's input"]
+
+
 def test_parameter_in_no_stage_and_in_two(plans: dict[str, Plan]) -> None:
     plan = plans["pp2"].model_copy(deep=True)
     plan.pipeline.schedule, plan.pipeline.virtual_stages = "1f1b", 1
