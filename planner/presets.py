@@ -21,7 +21,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral")
+# Each trains on N ranks as on one device under tensor, sequence, fully sharded and
+# pipeline parallelism (tests/test_executor.py, test_pipeline.py, test_architectures.py).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3", "gemma", "gemma3_text",
+                         "olmo", "granite", "starcoder2", "gpt_neox", "phi", "cohere", "stablelm")
 
 
 class ConfigError(ValueError):

@@ -1,0 +1,117 @@
+"""The model types beyond Llama, GPT-2 and Mixtral: each trains on 4 gloo ranks as on one device.
+
+Each case is a tiny config of one ``model_type`` with what sets that architecture apart
+switched on at values a real checkpoint has (Granite's embedding, residual, attention and
+logit multipliers; Gemma's padding row; OLMo's norms without weights; GPT-NeoX's
+embedding dropout; sliding windows shorter than the sequence), under
+a layout that meets it: tensor + sequence parallelism with FSDP, or a pipeline whose later
+stages must not redo what the model does to its embeddings or after its last layer.  The
+plans are the planner's hand layouts, written here and run in one job on the shared
+4-rank pool (tests/_dist.py); the reference is the same loop in this process on a
+1-device plan.  Models are built on the meta device, so apply initialises them shard by
+shard (executor.deferred_init), as for a model too large for one device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from _dist import run_on_ranks
+from torch.distributed.tensor import DTensor
+
+import executor
+import planner
+from planner.presets import SUPPORTED_MODEL_TYPES, build_model, load_config
+from planner.schema import Plan
+
+STEPS, BATCH, SEQ, SEED = 3, 8, 16, 2024
+TINY = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "attention_dropout": 0.1}
+TP_SP_FSDP = {"dp": 2, "tp": 2, "sp": True, "fsdp": True}
+PP_TP = {"pp": 2, "tp": 2, "sp": True, "microbatches": 2}
+PP_DP = {"pp": 2, "dp": 2, "microbatches": 2}
+GRANITE = {"embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.22,
+           "attention_multiplier": 0.0078125}
+CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "qwen3": ("qwen3", {}, TP_SP_FSDP),  # q and k normed per head
+    "gemma": ("gemma", {"pad_token_id": 100}, TP_SP_FSDP),  # tied; the padding row in rank 1's vocab shard
+    "gemma-untied-pp": ("gemma", {"tie_word_embeddings": False}, PP_TP),  # its scale buffer: a trace node after the layers
+    "gemma3": ("gemma3_text", {"sliding_window": 8, "final_logit_softcapping": 30.0}, TP_SP_FSDP),
+    "olmo-pp": ("olmo", {"clip_qkv": 0.5}, PP_DP),
+    "granite": ("granite", GRANITE, TP_SP_FSDP),
+    "granite-pp": ("granite", {**GRANITE, "tie_word_embeddings": False}, PP_TP),
+    "starcoder2": ("starcoder2", {"sliding_window": 8, "residual_dropout": 0.1}, TP_SP_FSDP),
+    "gpt-neox": ("gpt_neox", {"hidden_dropout": 0.1}, TP_SP_FSDP),  # fused q/k/v, per head
+    "gpt-neox-pp": ("gpt_neox", {"hidden_dropout": 0.1}, PP_DP),  # its embedding dropout
+    "phi": ("phi", {"resid_pdrop": 0.1}, TP_SP_FSDP),  # partial rotary, parallel attention and MLP
+    "cohere": ("cohere", {}, TP_SP_FSDP),  # logit scale, parallel block
+    "stablelm": ("stablelm", {"use_qkv_bias": True}, TP_SP_FSDP),
+}
+
+
+def _config(name: str) -> dict[str, Any]:
+    model_type, extra, _ = CASES[name]
+    return {"model_type": model_type, **TINY, **extra}
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _train(name: str, plan_json: str) -> dict[str, Any]:
+    """The user's loop, the same on 1 and 4 devices but for the plan."""
+    executor.rng.manual_seed(SEED)
+    model = executor.apply(Plan.from_json(plan_json), build_model(load_config(_config(name)), device="meta").train())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    losses = []
+    for ids in _batches():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+              for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params}
+
+
+def _train_all(plans: dict[str, str]) -> dict[str, Any]:
+    return {name: _train(name, plan_json) for name, plan_json in plans.items()}
+
+
+def _plan(name: str, devices: int) -> str:
+    layout = CASES[name][2] if devices > 1 else {}
+    return planner.hand_plan(_config(name), devices=devices, profile="cpu-gloo-local", batch_size=BATCH,
+                             seq_len=SEQ, **layout).to_json()
+
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    reference = {name: _train(name, _plan(name, 1)) for name in CASES}
+    return reference, run_on_ranks(4, _train_all, {name: _plan(name, 4) for name in CASES})
+
+
+def test_every_model_type_is_covered() -> None:
+    covered = {model_type for model_type, _, _ in CASES.values()} | {"llama", "mistral", "qwen2", "gpt2", "mixtral"}
+    assert covered == set(SUPPORTED_MODEL_TYPES)  # the last five: tests/test_executor.py, test_pipeline.py
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_four_ranks_train_as_one_device(runs: tuple[dict[str, Any], list[dict[str, Any]]], name: str) -> None:
+    reference, ranks = runs
+    ref = reference[name]
+    assert len(set(ref["losses"])) == STEPS  # it trains
+    held: set[str] = set()
+    for rank, out in enumerate(ranks):
+        got = out[name]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0,
+                                   msg=lambda m, rank=rank: f"rank {rank} losses: {m}")
+        for n, value in got["params"].items():
+            torch.testing.assert_close(value, ref["params"][n], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=n, rank=rank: f"rank {rank} {n}: {m}")
+        held |= set(got["params"])
+    assert held == set(ref["params"])  # a pipeline's stages hold every parameter between them
