@@ -170,6 +170,10 @@ def _check(data: dict[str, Any]) -> None:
     if experts is not None and routed is not None and routed > experts:
         # torch.export's "k not in range for dimension" from the router's topk otherwise
         raise ConfigError(f"num_experts_per_tok: {routed} exceeds num_local_experts {experts}")
+    pad, vocab = data.get("pad_token_id"), data["vocab_size"]
+    if isinstance(pad, int) and not isinstance(pad, bool) and not -vocab <= pad < vocab:
+        # the embedding's padding row: torch.nn.Embedding asserts it (an AssertionError)
+        raise ConfigError(f"pad_token_id: {pad} is not a token of the vocabulary (vocab_size {vocab})")
     _check_activation(data, "activation_function" if model_type == "gpt2" else "hidden_act")
     _check_rope(data)
     _check_dtype(data)
@@ -288,7 +292,8 @@ def model_name(source: Any) -> str:
     return str(source)
 
 
-_BUILD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, RuntimeError, ArithmeticError)
+_BUILD_ERRORS = (TypeError, ValueError, KeyError, AttributeError, RuntimeError, ArithmeticError,
+                 AssertionError)  # torch.nn.Embedding asserts its padding_idx is in the vocabulary
 _CULPRIT_TRIALS = 32  # keys tried at most when naming the one a build fails on
 
 

@@ -965,3 +965,12 @@ def test_numbers_past_the_floats_are_config_errors(key: str, value: int, message
 
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
         build_model(load_config({**PRESETS["llama-tiny"], key: value}))
+
+
+def test_a_padding_token_outside_the_vocabulary_is_a_config_error() -> None:
+    """torch.nn.Embedding asserts it: an AssertionError, a 500 over HTTP (session 22)."""
+    from planner.presets import ConfigError, build_model, load_config
+
+    with pytest.raises(ConfigError, match=r"^pad_token_id: 200 is not a token of the vocabulary \(vocab_size 128\)$"):
+        load_config({**PRESETS["llama-tiny"], "pad_token_id": 200})
+    build_model(load_config({**PRESETS["llama-tiny"], "pad_token_id": -1}))  # torch counts it from the end
