@@ -24,7 +24,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 # Each trains on N ranks as on one device under tensor, sequence, fully sharded and
 # pipeline parallelism (tests/test_executor.py, test_pipeline.py, test_architectures.py).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3", "gemma", "gemma3_text",
-                         "olmo", "granite", "starcoder2", "gpt_neox", "phi", "cohere", "stablelm")
+                         "olmo", "granite", "starcoder2", "gpt_neox", "phi", "phi3", "cohere", "stablelm")
 
 
 class ConfigError(ValueError):
@@ -170,10 +170,11 @@ def _check(data: dict[str, Any]) -> None:
     if experts is not None and routed is not None and routed > experts:
         # torch.export's "k not in range for dimension" from the router's topk otherwise
         raise ConfigError(f"num_experts_per_tok: {routed} exceeds num_local_experts {experts}")
-    pad, vocab = data.get("pad_token_id"), data["vocab_size"]
+    pad, vocab = data.get("pad_token_id", getattr(defaults, "pad_token_id", None)), data["vocab_size"]
     if isinstance(pad, int) and not isinstance(pad, bool) and not -vocab <= pad < vocab:
         # the embedding's padding row: torch.nn.Embedding asserts it (an AssertionError)
-        raise ConfigError(f"pad_token_id: {pad} is not a token of the vocabulary (vocab_size {vocab})")
+        given = "" if "pad_token_id" in data else f" ({model_type}'s default; set it, or null)"
+        raise ConfigError(f"pad_token_id: {pad}{given} is not a token of the vocabulary (vocab_size {vocab})")
     _check_activation(data, "activation_function" if model_type == "gpt2" else "hidden_act")
     _check_rope(data)
     _check_dtype(data)

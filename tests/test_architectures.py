@@ -1,9 +1,9 @@
-"""The model types beyond Llama, GPT-2 and Mixtral: each trains on 4 gloo ranks as on one device.
+"""The model types beyond Llama, Mistral, Qwen2, GPT-2 and Mixtral: each trains on 4 gloo ranks as on one device.
 
 Each case is a tiny config of one ``model_type`` with what sets that architecture apart
 switched on at values a real checkpoint has (Granite's embedding, residual, attention and
 logit multipliers; Gemma's padding row; OLMo's norms without weights; GPT-NeoX's
-embedding dropout; sliding windows shorter than the sequence), under
+embedding dropout; Phi-3's fused projections; sliding windows shorter than the sequence), under
 a layout that meets it: tensor + sequence parallelism with FSDP, or a pipeline whose later
 stages must not redo what the model does to its embeddings or after its last layer.  The
 plans are the planner's hand layouts, written here and run in one job on the shared
@@ -47,6 +47,8 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "gpt-neox": ("gpt_neox", {"hidden_dropout": 0.1}, TP_SP_FSDP),  # fused q/k/v, per head
     "gpt-neox-pp": ("gpt_neox", {"hidden_dropout": 0.1}, PP_DP),  # its embedding dropout
     "phi": ("phi", {"resid_pdrop": 0.1}, TP_SP_FSDP),  # partial rotary, parallel attention and MLP
+    "phi3": ("phi3", {"pad_token_id": None, "resid_pdrop": 0.1}, TP_SP_FSDP),  # fused q/k/v and gate/up
+    "phi3-pp": ("phi3", {"pad_token_id": None}, PP_TP),
     "cohere": ("cohere", {}, TP_SP_FSDP),  # logit scale, parallel block
     "stablelm": ("stablelm", {"use_qkv_bias": True}, TP_SP_FSDP),
 }

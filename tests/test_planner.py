@@ -974,3 +974,7 @@ def test_a_padding_token_outside_the_vocabulary_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"^pad_token_id: 200 is not a token of the vocabulary \(vocab_size 128\)$"):
         load_config({**PRESETS["llama-tiny"], "pad_token_id": 200})
     build_model(load_config({**PRESETS["llama-tiny"], "pad_token_id": -1}))  # torch counts it from the end
+    tiny_phi3 = {**PRESETS["llama-tiny"], "model_type": "phi3"}  # its default is 32000, for a vocabulary of 32064
+    with pytest.raises(ConfigError, match=r"^pad_token_id: 32000 \(phi3's default; set it, or null\) is not a "):
+        load_config(tiny_phi3)
+    build_model(load_config({**tiny_phi3, "pad_token_id": None}))
