@@ -89,9 +89,13 @@ from planner.tracer import totals, trace
 Progress = Callable[[str], None]
 
 # Hand layouts for `estimate`: which linear layers TorchTitan / Megatron shard by
-# column (output features) and which by row.  Everything else stays replicated.
-_COLWISE = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc|w1|w3|lm_head)$")
-_ROWWISE = re.compile(r"(o_proj|down_proj|c_proj|w2|embed_tokens|wte)$")
+# column (output features) and which by row, under the names of each supported model
+# type (Phi-3's qkv_proj and gate_up_proj end like q/k/v and up; GPT-NeoX's fused
+# query_key_value holds each head's q, k and v together, so a column split keeps heads
+# whole).  Everything else stays replicated.
+_COLWISE = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc|w1|w3|lm_head|query_key_value|"
+                      r"dense_h_to_4h|fc1|embed_out)$")
+_ROWWISE = re.compile(r"(o_proj|down_proj|c_proj|w2|embed_tokens|wte|dense|dense_4h_to_h|fc2|embed_in)$")
 
 
 class PlanningError(ValueError):
@@ -121,14 +125,16 @@ def _feature_divisor(graph: nx.DiGraph, config: Any) -> int:
     return math.gcd(*heads) if heads else 1
 
 
-def _heads_text(config: Any) -> str:
-    """The head counts a feature (tensor-parallel) split must divide, said as what they are."""
+def _heads_text(config: Any, tp: int) -> str:
+    """The head counts a feature (tensor-parallel) split of ``tp`` does not divide."""
     counts = _heads(config)
     if counts is None:
         return "the attention heads (unknown without the model's config, taken as 1)"
     heads, kv = counts
-    return f"the {heads} attention heads" if kv == heads else (
-        f"the {heads} attention heads and {kv} key/value heads")
+    failing = [f"{heads} attention heads"] if heads % tp else []
+    if kv != heads and kv % tp:
+        failing.append(f"{kv} key/value heads")
+    return "the " + " and ".join(failing)
 
 
 def _training_dtype(profile: Profile) -> torch.dtype:
@@ -870,7 +876,7 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
         raise PlanningError(f"batch_size: {batch} is not divisible by dp*microbatches = {dp * microbatches}")
     divisor = _feature_divisor(graph, config) if config is not None else 1
     if tp > 1 and divisor % tp:
-        raise PlanningError(f"tp: {tp} does not divide {_heads_text(config)}")
+        raise PlanningError(f"tp: {tp} does not divide {_heads_text(config, tp)}")
     if sp and seq % tp:
         raise PlanningError(f"seq_len: {seq} is not divisible by tp={tp}; sequence parallelism splits "
                             "each sequence over the tensor-parallel ranks")

@@ -342,6 +342,8 @@ def test_bad_requests():
         planner.plan("llama-tiny", 2, "h100-sxm-80g", batch_size="2")
     with pytest.raises(planner.PlanningError, match="^tp: 8 does not divide the 4 attention heads and 2 key/value heads"):
         planner.estimate("llama-tiny", 8, "h100-sxm-80g", tp=8, batch_size=8)
+    with pytest.raises(planner.PlanningError, match="^tp: 4 does not divide the 2 key/value heads$"):
+        planner.estimate("llama-tiny", 4, "h100-sxm-80g", tp=4, batch_size=8)  # it divides the 4 heads
 
 
 @pytest.fixture(scope="module")
