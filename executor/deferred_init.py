@@ -9,7 +9,8 @@ each rank's shard: it restarts the counter at ``seed``, runs every module's
 ``reset_parameters`` in construction order (what ``nn.Module.__init__`` does),
 then, for Hugging Face models, ``initialize_weights`` (what ``post_init``
 does).  The counter therefore advances exactly as in the reference, no rank
-allocates a full tensor, and no communication happens.
+allocates a full tensor, and no communication happens but an all-reduce of the region
+an init writes through an index (an embedding's padding row: ``_WriteThrough``).
 
 A global counter was chosen over keying init ops by parameter name because
 the reference build cannot know parameter names while modules are being
@@ -204,13 +205,17 @@ class _WriteThrough(TorchFunctionMode):
     """Make an init's in-place write through an index reach the shard that holds it.
 
     ``weight[padding_idx].zero_()`` (torch's ``nn.Embedding`` and HF's ``_init_weights``)
-    indexes a DTensor on a dim it is sharded by; DTensor answers with a gathered copy,
-    so the write is lost and the padding row keeps its random values on the rank that
-    holds it.  Here such a copy is remembered with its base and index, and after an
-    in-place op on it, each rank copies the part of it that falls in its own shard back
-    into that shard.  Only basic indexing (ints, slices, ``...``) is followed: on a
-    plain tensor any other index gives a copy too, and a write into it is lost there as
-    well.
+    indexes a DTensor on a dim it is sharded by; DTensor answers with a gathered copy of
+    the whole tensor, so the write is lost (and ``weight[i] = 0.5`` has no DTensor rule).
+    Here such an index gives a replicated copy of the indexed region only, built from
+    each rank's part of it by one all-reduce (``_region``); the copy is remembered with
+    its base and index, as is any index of it, and after an in-place op on one, each rank
+    copies the part that falls in its own shard back into that shard.  Whether an index
+    is a copy is decided from the placements, the same on every rank, so that every rank
+    joins the same collectives.  Only basic indexing (ints, slices, ``...``) is followed:
+    on a plain tensor any other index gives a copy too, and a write into it is lost
+    there as well.  Not followed either: a write through ``.data``, ``.detach()`` or a
+    ``.view()`` of a copy (no init of the supported models makes one).
     """
 
     def __init__(self) -> None:
@@ -222,32 +227,31 @@ class _WriteThrough(TorchFunctionMode):
         target = args[0] if args else None
         indexed = name in ("__getitem__", "__setitem__") and _is_dtensor(target) and _basic(args[1])
         if indexed and name == "__setitem__":  # DTensor has no fill_.Tensor: write the shards here
-            values = target[args[1]].full_tensor().clone()
+            values = _region(target, args[1]).to_local().clone()
             values[...] = args[2].full_tensor() if _is_dtensor(args[2]) else args[2]
             self._write_back(target, args[1], values)
             return None
-        out = func(*args, **(kwargs or {}))
-        if indexed:
-            if not _aliases(out, target):
-                self.copies[id(out)] = (out, target, args[1])
-        elif id(target) in self.copies and (name.endswith("_") and not name.startswith("_")
-                                           or _IN_PLACE_OPERATOR.fullmatch(name)):
+        if indexed and id(target) not in self.copies and _restricts(target, args[1]):
+            out = _region(target, args[1])
+        else:
+            out = func(*args, **(kwargs or {}))
+        if indexed and (id(target) in self.copies or _restricts(target, args[1])):
+            self.copies[id(out)] = (out, target, args[1])  # an index of a copy is a view of it
+        elif not indexed and id(target) in self.copies and (name.endswith("_") and not name.startswith("_")
+                                                           or _IN_PLACE_OPERATOR.fullmatch(name)):
             copy, base, index = self.copies[id(target)]
-            self._write_back(base, index, copy.full_tensor())
+            self._write_back(base, index, copy.to_local())
         return out
 
     def _write_back(self, base: torch.Tensor, index: Any, values: torch.Tensor) -> None:
         """Copy ``values`` (the new ``base[index]``) into this rank's shard of ``base``."""
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         local = base.to_local()
-        _, offset = compute_local_shape_and_global_offset(base.shape, base.device_mesh, base.placements)
-        box = _local_box(index, tuple(base.shape), tuple(offset), tuple(local.shape))
+        box = _local_box(index, tuple(base.shape), _offset(base), tuple(local.shape))
         if box is not None:
             local[box[0]] = values[box[1]]
         if id(base) in self.copies:  # base is itself a copy of an index: on to its base
             _, outer_base, outer_index = self.copies[id(base)]
-            self._write_back(outer_base, outer_index, base.full_tensor())
+            self._write_back(outer_base, outer_index, base.to_local())
 
 
 _IN_PLACE_OPERATOR = re.compile(r"__i(add|sub|mul|truediv|floordiv|mod|pow|and|or|xor|lshift|rshift)__")
@@ -257,13 +261,10 @@ def _is_dtensor(t: Any) -> bool:
     return hasattr(t, "to_local") and hasattr(t, "placements")
 
 
-def _aliases(view: Any, base: torch.Tensor) -> bool:
-    """Whether ``view``'s local values live in ``base``'s local storage (or there are none)."""
-    local = base.to_local()
-    if local.numel() == 0 or not isinstance(view, torch.Tensor):
-        return True
-    own = view.to_local() if _is_dtensor(view) else view
-    return own.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+def _offset(t: torch.Tensor) -> tuple[int, ...]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1])
 
 
 def _basic(index: Any) -> bool:
@@ -273,18 +274,49 @@ def _basic(index: Any) -> bool:
         p is Ellipsis or isinstance(p, slice) or (isinstance(p, int) and not isinstance(p, bool)) for p in parts)
 
 
+def _parts(index: Any, ndim: int) -> list[Any]:
+    """A basic index as one int or slice per dim."""
+    parts = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in parts:
+        at = parts.index(Ellipsis)
+        parts[at:at + 1] = [slice(None)] * (ndim - len(parts) + 1)
+    return parts + [slice(None)] * (ndim - len(parts))
+
+
+def _restricts(base: torch.Tensor, index: Any) -> bool:
+    """Whether ``base[index]`` narrows a dim a mesh dim shards: then it is no view of the
+    shard.  Decided from the placements, so every rank agrees."""
+    from torch.distributed.tensor import Shard
+
+    parts = _parts(index, base.ndim)
+    sharded = {p.dim % base.ndim for p in base.placements if isinstance(p, Shard)}
+    return any(isinstance(parts[d], int) or parts[d].indices(base.shape[d]) != (0, base.shape[d], 1)
+               for d in sharded)
+
+
+def _region(base: torch.Tensor, index: Any) -> torch.Tensor:
+    """``base[index]`` as a replicated DTensor: each rank fills its part of the region and
+    one all-reduce over the mesh dims that shard ``base`` completes it, where DTensor
+    would all-gather the whole of ``base`` (a 256000-row embedding for one padding row)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    local = base.to_local()
+    region = torch.zeros(torch.empty(base.shape, device="meta")[index].shape, dtype=base.dtype, device=local.device)
+    box = _local_box(index, tuple(base.shape), _offset(base), tuple(local.shape))
+    if box is not None:
+        region[box[1]] = local[box[0]]
+    mesh = base.device_mesh
+    pending = [Partial() if isinstance(p, Shard) else Replicate() for p in base.placements]
+    return DTensor.from_local(region, mesh, pending, run_check=False).redistribute(mesh, [Replicate()] * mesh.ndim)
+
+
 def _local_box(index: Any, shape: tuple[int, ...], offset: tuple[int, ...],
                local: tuple[int, ...]) -> tuple[tuple, tuple] | None:
     """(index into the local shard, index into ``base[index]``) of their common part,
     or None when this rank's shard holds none of it.  ``index`` is basic (``_basic``)."""
-    parts = list(index) if isinstance(index, tuple) else [index]
-    if Ellipsis in parts:
-        at = parts.index(Ellipsis)
-        parts[at:at + 1] = [slice(None)] * (len(shape) - len(parts) + 1)
-    parts += [slice(None)] * (len(shape) - len(parts))
     into_local: list[Any] = []
     into_copy: list[Any] = []
-    for part, size, start, count in zip(parts, shape, offset, local, strict=True):
+    for part, size, start, count in zip(_parts(index, len(shape)), shape, offset, local, strict=True):
         if isinstance(part, int):
             i = part + size if part < 0 else part
             if not start <= i < start + count:

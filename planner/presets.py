@@ -106,6 +106,9 @@ _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_s
 # Sizes Hugging Face derives when null: key/value heads default to the attention heads,
 # head_dim to hidden_size / num_attention_heads.  Any other null size is a mistake.
 _NULLABLE = ("num_key_value_heads", "head_dim")
+# Model types whose causal LM's embedding has no padding row (no padding_idx): any
+# pad_token_id builds.
+_NO_PADDING_ROW = ("gpt2", "gpt_neox")
 # GPT-2's names for the sizes above.
 _GPT2_ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
                  "n_positions": "max_position_embeddings"}
@@ -171,7 +174,8 @@ def _check(data: dict[str, Any]) -> None:
         # torch.export's "k not in range for dimension" from the router's topk otherwise
         raise ConfigError(f"num_experts_per_tok: {routed} exceeds num_local_experts {experts}")
     pad, vocab = data.get("pad_token_id", getattr(defaults, "pad_token_id", None)), data["vocab_size"]
-    if isinstance(pad, int) and not isinstance(pad, bool) and not -vocab <= pad < vocab:
+    if (model_type not in _NO_PADDING_ROW and isinstance(pad, int) and not isinstance(pad, bool)
+            and not -vocab <= pad < vocab):
         # the embedding's padding row: torch.nn.Embedding asserts it (an AssertionError)
         given = "" if "pad_token_id" in data else f" ({model_type}'s default; set it, or null)"
         raise ConfigError(f"pad_token_id: {pad}{given} is not a token of the vocabulary (vocab_size {vocab})")

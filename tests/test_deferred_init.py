@@ -60,6 +60,7 @@ class _IndexedInit(nn.Module):
             self.weight[1:9:3].fill_(2.0)  # rows 1, 4 and 7: in three of the shards
             self.weight[-2] = 0.5  # an assignment, into the last full shard
             self.weight[..., 2:4][5:].mul_(3.0)  # a column slice (a view), then rows of it
+            self.weight[6][1:3].zero_()  # a row (a copy under Shard(0)), then a slice of that copy
 
 
 def _indexed(device: str) -> nn.Module:
@@ -152,7 +153,7 @@ def test_init_writes_through_an_index_reach_the_shard_that_holds_them(rank_resul
     what the init does to it back into the shards (the padding row above is one case)."""
     rng.manual_seed(SEED)
     expected = _indexed("cpu").weight.detach()
-    assert expected[4].eq(2.0).all() and expected[8, :2].eq(0.5).all()  # the writes are there to miss
+    assert expected[4].eq(2.0).all() and expected[8, :2].eq(0.5).all() and expected[6, 1:3].eq(0).all()
     for res in rank_results:
         local, offset = res[layout]
         box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))

@@ -980,3 +980,4 @@ def test_a_padding_token_outside_the_vocabulary_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"^pad_token_id: 32000 \(phi3's default; set it, or null\) is not a "):
         load_config(tiny_phi3)
     build_model(load_config({**tiny_phi3, "pad_token_id": None}))
+    build_model(load_config({**PRESETS["gpt2-tiny"], "pad_token_id": 200}))  # GPT-2's embedding has no padding row
