@@ -691,8 +691,16 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
     best = found.best
     if best is None and pins is not None and pins.emptied:
         raise PlanningError(f"{sorted(pins.emptied)[0]} on any mesh tried")
+    # a forced tp the head counts do not divide is searched (its ranks may still split the
+    # MLPs or the batch), but attention cannot split over it: say so, as estimate refuses it
+    forced_tp = (mesh or {}).get("tp", 1)
+    heads = (f"tp={forced_tp} does not divide {_heads_text(config, forced_tp)}, so attention cannot split "
+             "over it" if forced_tp > 1 and divisor % forced_tp else None)
     if best is None or not best.prediction.memory.fits:
-        raise PlanningError(_nothing_fits(model, devices, prof, len(meshes), found))
+        raise PlanningError(_nothing_fits(model, devices, prof, len(meshes), found)
+                            + (f"; note: {heads}" if heads else ""))
+    if heads:
+        say(f"note: {heads}")
     total = time.perf_counter() - t0
     say(f"best: {'x'.join(f'{n}={s}' for n, s in zip(best.ctx.mesh_names, best.ctx.mesh_shape))}"
         f"{(' fsdp' if best.ctx.fsdp else ' replicate') if best.ctx.data_ranks > 1 else ''}"

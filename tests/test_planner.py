@@ -981,3 +981,12 @@ def test_a_padding_token_outside_the_vocabulary_is_a_config_error() -> None:
         load_config(tiny_phi3)
     build_model(load_config({**tiny_phi3, "pad_token_id": None}))
     build_model(load_config({**PRESETS["gpt2-tiny"], "pad_token_id": 200}))  # GPT-2's embedding has no padding row
+
+
+def test_a_forced_tp_the_heads_do_not_divide_says_so() -> None:
+    """Searched, as its ranks may split the MLPs or the batch, but estimate refuses that
+    tp; plan said nothing of it, or only that no layout fits (black-box review)."""
+    said: list[str] = []
+    planner.plan("llama-tiny", devices=4, profile="cpu-gloo-local", batch_size=8, seq_len=16,
+                 mesh={"dp": 1, "tp": 4}, progress=said.append)
+    assert "note: tp=4 does not divide the 2 key/value heads, so attention cannot split over it" in said
