@@ -236,10 +236,15 @@ def cmd_estimate(args: argparse.Namespace) -> None:
 
         layout = " x ".join(f"{n}={v}" for n, v in (("pp", args.pp), ("dp", args.dp), ("tp", args.tp)) if v > 1)
         extras = [w for w, on in (("fsdp", args.fsdp), ("sp", args.sp)) if on]
+        if args.checkpointing != "none":
+            extras.append(f"{args.checkpointing} checkpointing")
         profile = _require("cost_model.profile", "load_profile")(args.profile).name
+        schedule = (f", {args.schedule or '1f1b'}"
+                    f"{f' ({args.virtual_stages} virtual stages)' if args.virtual_stages > 1 else ''}"
+                    if args.pp > 1 else "")
         _out(f"{args.model} on {args.devices} x {profile}: {layout or 'one device'}"
              f"{' ' + '+'.join(extras) if extras else ''}, batch {batch} x seq {seq}, "
-             f"{args.microbatches} micro-batch(es)")
+             f"{args.microbatches} micro-batch(es){schedule}")
         _out(render_prediction(pred))
 
 

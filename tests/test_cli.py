@@ -123,6 +123,10 @@ def test_estimate_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert workload == f"llama-tiny on 2 x {PROFILE}: tp=2 sp, batch 4 x seq 32, 1 micro-batch(es)"
     assert head.startswith("step time ") and "activations" in out and "exposed" in out
     assert re.search(r"memory \d+\.\d\d KiB of 80\.00 GiB", head)  # a tiny model's memory read 0.00 GiB
+    assert main(["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "2", "--microbatches", "2",
+                 "--checkpointing", "full"]) == 0
+    workload = capsys.readouterr().out.splitlines()[0]  # the schedule and checkpointing were left out
+    assert workload == f"llama-tiny on 2 x {PROFILE}: pp=2 full checkpointing, batch 4 x seq 32, 2 micro-batch(es), 1f1b"
 
 
 def test_schema_prints_the_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
