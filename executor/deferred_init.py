@@ -231,12 +231,11 @@ class _WriteThrough(TorchFunctionMode):
             values[...] = args[2].full_tensor() if _is_dtensor(args[2]) else args[2]
             self._write_back(target, args[1], values)
             return None
-        if indexed and id(target) not in self.copies and _restricts(target, args[1]):
-            out = _region(target, args[1])
-        else:
-            out = func(*args, **(kwargs or {}))
-        if indexed and (id(target) in self.copies or _restricts(target, args[1])):
-            self.copies[id(out)] = (out, target, args[1])  # an index of a copy is a view of it
+        of_copy = indexed and id(target) in self.copies  # an index of a copy is a view of it
+        narrows = indexed and not of_copy and _restricts(target, args[1])
+        out = _region(target, args[1]) if narrows else func(*args, **(kwargs or {}))
+        if of_copy or narrows:
+            self.copies[id(out)] = (out, target, args[1])
         elif not indexed and id(target) in self.copies and (name.endswith("_") and not name.startswith("_")
                                                            or _IN_PLACE_OPERATOR.fullmatch(name)):
             copy, base, index = self.copies[id(target)]
