@@ -36,12 +36,19 @@ from service.limits import MAX_HF_CONFIG_DEPTH, BatchSize, Devices, MeshShape, S
 JSON_VALUE_ERROR = "json_value"
 
 # Config keys that make transformers look outside the config (remote code, hub
-# kernels, quantisers, files).  load_config ignores most of them, but a server
-# must not depend on that: they are refused before the planner sees the dict.
-_FORBIDDEN_HF_KEYS = frozenset({
-    "auto_map", "trust_remote_code", "quantization_config", "attn_implementation",
-    "name_or_path", "_name_or_path", "_commit_hash", "custom_pipelines",
-})
+# kernels, quantisers), each with why it is refused.  load_config ignores most of them,
+# but a server must not depend on that: they are refused before the planner sees the dict.
+_REFUSED_HF_KEYS = {
+    "auto_map": "it points at the model's own code, which the service never runs; remove it to plan "
+                "transformers' built-in implementation of the model_type",
+    "custom_pipelines": "it points at code, which the service never runs",
+    "trust_remote_code": "the service never runs a model's own code",
+    "quantization_config": "it loads a quantiser; remove it to plan the unquantised model",
+    "attn_implementation": "it can load attention kernels from the Hub; the planner always uses SDPA",
+}
+# What save_pretrained and the Hub write beside the model's settings, which nothing reads
+# when a model is built from the dict: dropped, so a config.json pastes as downloaded.
+_METADATA_HF_KEYS = frozenset({"_name_or_path", "name_or_path", "_commit_hash", "_attn_implementation_autoset"})
 
 
 class _Request(BaseModel):
@@ -91,9 +98,12 @@ class HFConfigModel(_Request):
     @field_validator("hf_config")
     @classmethod
     def _no_indirection(cls, value: dict[str, Any]) -> dict[str, Any]:
-        bad = sorted(k for k in value if k in _FORBIDDEN_HF_KEYS or k.startswith("_"))
-        if bad:
-            raise ValueError(f"keys {bad} are not accepted by the service (they load code or files)")
+        value = {k: v for k, v in value.items() if k not in _METADATA_HF_KEYS}
+        for key in value:
+            if key in _REFUSED_HF_KEYS or key.startswith("_"):
+                why = _REFUSED_HF_KEYS.get(key, "keys starting with '_' set transformers' internal state")
+                raise PydanticCustomError(JSON_VALUE_ERROR, "{path}: {problem}",
+                                          {"path": key, "problem": f"not accepted by the service: {why}"})
         check_json_value(value, MAX_HF_CONFIG_DEPTH)
         return value
 

@@ -95,6 +95,14 @@ def test_spelled_out_defaults_are_the_same_request() -> None:
             != implicit.key())
 
 
+def test_hub_metadata_in_a_config_is_dropped_not_refused() -> None:
+    """A config.json as the Hub serves it (Phi-2's, Mistral's carry ``_name_or_path``)
+    plans as the config without that metadata: the same request."""
+    hub = {"_name_or_path": "microsoft/phi-2", "_attn_implementation_autoset": True, **PRESETS["llama-tiny"]}
+    bare = PlanRequest(**{**TINY, "model": {"hf_config": PRESETS["llama-tiny"]}})
+    assert PlanRequest(**{**TINY, "model": {"hf_config": hub}}).key() == bare.key()
+
+
 def test_strict_time_limit_still_takes_integers_and_floats() -> None:
     assert PlanRequest(**TINY, time_limit_s=5).time_limit_s == 5.0
     assert PlanRequest.model_validate_json('{"model": "llama-tiny", "devices": 2, "profile": "p", '
@@ -243,7 +251,9 @@ def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
     ({**TINY, "model": {"hf_config": {"model_type": "llama", "hidden_size": 10**7, "num_hidden_layers": 2,
                                       "num_attention_heads": 4, "vocab_size": 64}}}, 422, "hidden_size"),
     ({**TINY, "model": {"hf_config": {"model_type": "llama", "auto_map": {"AutoModel": "x.Y"}}}}, 422,
-     "model.hf_config: keys ['auto_map']"),
+     "model.hf_config.auto_map: not accepted by the service: it points at the model's own code"),
+    ({**TINY, "model": {"hf_config": {"_name_or_path": "a/b", "model_type": "llama", "_attn_implementation": "x"}}},
+     422, "model.hf_config._attn_implementation: not accepted by the service: keys starting with '_'"),
     ({**TINY, "devices": 0}, 422, "devices: Input should be greater than or equal to 1"),
     ({**TINY, "profile": "nope"}, 422, "profile: 'nope' is not a shipped profile"),
     ({**TINY, "profile": {"name": "half-a-profile"}}, 422, "profile.device_type: Field required"),
