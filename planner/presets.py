@@ -8,6 +8,7 @@ so that a typo gives a one-line error instead of an OOM or a hang.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -143,8 +144,14 @@ def _check(data: dict[str, Any]) -> None:
     model, or a truncated message; errors name the key as the user wrote it."""
     model_type = data.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
+        text = data.get("text_config")
+        hint = ""
+        if isinstance(text, Mapping) and text.get("model_type") in SUPPORTED_MODEL_TYPES:
+            # a multimodal config (Gemma 3's) around a supported language model
+            hint = (f"; its text_config is a {text['model_type']} config: give that object to plan the "
+                    f"language model alone")
         raise ConfigError(
-            f"model_type: {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"model_type: {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}"
         )
     aliases = _GPT2_ALIASES if model_type == "gpt2" else {}
     written = {v: k for k, v in aliases.items()}  # canonical name -> the user's name
@@ -167,13 +174,14 @@ def _check(data: dict[str, Any]) -> None:
     kv = data.get("num_key_value_heads")
     if kv and heads % kv:
         raise ConfigError(f"num_key_value_heads: {kv} does not divide num_attention_heads {heads}")
-    defaults = AutoConfig.for_model(model_type)  # what transformers fills in for a key left out
-    experts, routed = (data.get(key, getattr(defaults, key, None))
-                       for key in ("num_local_experts", "num_experts_per_tok"))
+    # What transformers fills in for a key left out: its config's __init__ defaults, read
+    # without building one (starcoder2's default config warns that its own bos is not a token).
+    defaults = inspect.signature(CONFIG_MAPPING[model_type].__init__).parameters
+    experts, routed = (data.get(key, _default(defaults, key)) for key in ("num_local_experts", "num_experts_per_tok"))
     if experts is not None and routed is not None and routed > experts:
         # torch.export's "k not in range for dimension" from the router's topk otherwise
         raise ConfigError(f"num_experts_per_tok: {routed} exceeds num_local_experts {experts}")
-    pad, vocab = data.get("pad_token_id", getattr(defaults, "pad_token_id", None)), data["vocab_size"]
+    pad, vocab = data.get("pad_token_id", _default(defaults, "pad_token_id")), data["vocab_size"]
     if (model_type not in _NO_PADDING_ROW and isinstance(pad, int) and not isinstance(pad, bool)
             and not -vocab <= pad < vocab):
         # the embedding's padding row: torch.nn.Embedding asserts it (an AssertionError)
@@ -182,6 +190,12 @@ def _check(data: dict[str, Any]) -> None:
     _check_activation(data, "activation_function" if model_type == "gpt2" else "hidden_act")
     _check_rope(data)
     _check_dtype(data)
+
+
+def _default(parameters: Mapping[str, inspect.Parameter], key: str) -> Any:
+    """A config class's default for ``key`` (None where its __init__ takes it as ``**kwargs``)."""
+    default = parameters[key].default if key in parameters else None
+    return None if default is inspect.Parameter.empty else default
 
 
 def _check_dtype(data: dict[str, Any]) -> None:

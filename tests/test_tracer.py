@@ -93,6 +93,8 @@ LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
     "config, field, says",
     [
         ({"model_type": "bert", "hidden_size": 8}, "model_type", "'bert' is not supported"),
+        ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}, "model_type",
+         "its text_config is a gemma3_text config: give that object"),
         ({**LLAMA, "hidden_size": -4}, "hidden_size", "must be a positive integer, got -4"),
         ({**LLAMA, "num_hidden_layers": 0}, "num_hidden_layers", "must be a positive integer, got 0"),
         ({**LLAMA, "hidden_size": 10**7}, "hidden_size", "beyond the sanity limit"),
