@@ -517,6 +517,18 @@ def cuts_replicated_inputs(graph: nx.DiGraph, kind: str, members: Sequence[str])
     return any(norm_module_node(graph.nodes[n]) for n in members)
 
 
+def _reduces_features(ctx: Context, node: dict) -> bool:
+    """Whether ``node`` reduces or normalises across the dim a feature (``H``) layout
+    shards, so that a segment holding it cannot keep that dim sharded.  On a 3-D tensor
+    that is the last dim (a norm over the hidden states); on attention's 4-D tensors it is
+    the heads, which a per-head norm over head_dim (Qwen3's q_norm) leaves split."""
+    if node["short"] not in REDUCING_OPS - LOSS_OPS:
+        return False
+    shape, dims = (node.get("in_shapes") or [()])[0], node.get("op_dims")
+    sharded = concrete("H", shape, ctx.seq_len)
+    return dims is None or sharded is None or shard_dim(sharded) in dims
+
+
 def _cuts_features(node: dict) -> bool:
     """Whether ``node`` cuts the dim a feature (``H``) layout shards: the last of a tensor
     of up to 3 dims (attention's 4-D tensors shard their heads, not the last)."""
@@ -549,7 +561,7 @@ def segment_choices(ctx: Context, graph: nx.DiGraph, nodes: Sequence[str],
         layout = _combine(ctx, per_dim, "B")
         if "P" in layout and not only_views:
             continue
-        if "H" in layout and (shorts & (REDUCING_OPS - LOSS_OPS) or any(_cuts_features(d) for d, _ in data)):
+        if "H" in layout and any(_reduces_features(ctx, d) or _cuts_features(d) for d, _ in data):
             continue
         if shorts & LOSS_OPS and any(layout[i] not in ("R", "H") for i in ctx.free_dims):
             continue

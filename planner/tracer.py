@@ -20,6 +20,9 @@ Node attributes (every call_function node):
                   derivative formulas, plus the accumulation of a gradient from several
                   readers (``_mark_backward``); cross-entropy's extra passes; else ``bytes``;
                   nothing (and no backward FLOPs) for a value that needs no gradient
+    op_dims       the dims of its first input that its ``dim`` argument names, or its
+                  ``normalized_shape`` covers (``mean(x, -1)``, ``layer_norm``: the last),
+                  non-negative; None for an op without either, or given none (every dim)
     fwd_trans, bwd_trans   transcendental evaluations (exp, log, tanh, ...) of forward /
                   backward: on a CPU they, not FLOPs or bytes, bound softmax, SiLU and
                   the loss (``Profile.transcendental_rate``)
@@ -107,6 +110,23 @@ def _short(op: str) -> str:
     parts = op.split(".")
     short = parts[1] if parts[0] == "aten" and len(parts) > 1 else op.split(".")[-1]
     return _SHORT_ALIASES.get(short, short)
+
+
+def _op_dims(node: fx.Node, rank: int) -> tuple[int, ...] | None:
+    """The ``op_dims`` of ``node`` (see the module docstring), whose first input has
+    ``rank`` dims, from its aten schema's ``dim`` or ``normalized_shape`` argument."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or rank == 0:
+        return None
+    given = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+             for i, a in enumerate(schema.arguments) if i < len(node.args) or a.name in node.kwargs
+             or a.has_default_value()}
+    if "normalized_shape" in given:
+        return tuple(range(rank - len(given["normalized_shape"]), rank))
+    dims = given.get("dim")
+    if dims is None:
+        return None
+    return tuple(sorted({d % rank for d in ([dims] if isinstance(dims, int) else dims)})) or None
 
 
 def _tensors(val: Any) -> list[torch.Tensor]:
@@ -292,6 +312,7 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
             fwd_flops=fwd, bwd_flops=fwd * _BWD_FACTOR.get(short, 1.0), bytes=nbytes,
             bwd_bytes=bwd_bytes, fwd_trans=float(trans[0]), bwd_trans=float(trans[1]),
             params=params, module=module, layer=layer[1] if layer else None,
+            op_dims=_op_dims(node, ins[0].dim()) if ins else None,
         )
         for a in arg_nodes:
             if a.name in graph:
@@ -542,6 +563,8 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
         if len(sigs) != 1:  # layers differ: export the whole model instead
             graph = build_graph(_export(full, batch_size, seq_len), causal_lm, _aliases(full))
             traced = layers
+    if causal_lm and not isinstance(model, nn.Module):
+        _price_sliding_windows(graph, config, seq_len, layers, traced)
     graph.graph.update(
         model=name, layers=layers or traced, traced_layers=traced, layer_prefix=prefix,
         batch_size=batch_size, seq_len=seq_len,
@@ -551,6 +574,28 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
     )
     _mark_checkpoint_inputs(graph)
     return graph
+
+
+def _price_sliding_windows(graph: nx.DiGraph, config: PretrainedConfig, seq_len: int, layers: int,
+                           traced: int) -> None:
+    """A sliding-window layer's attention at a sequence as long as its window costs all of
+    a full attention's FLOPs, not the causal half ``_matmul_flops`` prices: Hugging Face
+    then passes SDPA the window's mask (``_ignore_causal_mask_sdpa``), and the kernels that
+    take a mask compute every block; none skips the blocks outside the window.  Which
+    layers slide: ``layer_types`` where the config has it (Gemma 3's five local to one
+    global), else every layer once ``sliding_window`` is set (Mistral, Phi-3, Starcoder2).
+    A traced layer standing for several real ones takes their average."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or seq_len < window:
+        return
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * layers
+    sliding = [t == "sliding_attention" for t in types[:layers]]
+    for _, d in graph.nodes(data=True):
+        if d.get("short") != "scaled_dot_product_attention" or d["layer"] is None:
+            continue
+        share = sliding[d["layer"]] if traced == layers else sum(sliding) / len(sliding)
+        for key in ("fwd_flops", "bwd_flops", "fwd_trans", "bwd_trans"):
+            d[key] *= 1.0 + share
 
 
 def _mark_checkpoint_inputs(graph: nx.DiGraph) -> None:

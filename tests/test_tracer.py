@@ -80,6 +80,24 @@ def test_llama3_8b_training_flops_match_6nt_plus_attention():
     assert totals(g)["train_flops"] == pytest.approx(expected, rel=0.02)
 
 
+@pytest.mark.parametrize(("config", "sliding"), [
+    ({"model_type": "mistral", "sliding_window": 16}, 1.0),  # every layer once sliding_window is set
+    ({"model_type": "gemma3_text", "sliding_window": 16, "head_dim": 8}, 10 / 12),  # five local to one global
+    ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 6}, 0.5),  # layers 6 to 11
+])
+def test_sliding_window_attention_is_priced_as_the_masked_kernel_runs_it(config: dict, sliding: float) -> None:
+    """From a sequence as long as the window, Hugging Face hands SDPA the window's mask and
+    the kernel computes every block: a sliding layer's attention costs twice the causal
+    half (priced as full causal attention before, and the README said overpriced)."""
+    def attention_flops(seq: int, window: int) -> float:
+        g = trace({**LLAMA, "num_hidden_layers": 12, **config, "sliding_window": window}, 1, seq)
+        return sum(d["fwd_flops"] for _, d in g.nodes(data=True) if d.get("short") == "scaled_dot_product_attention")
+
+    causal = attention_flops(32, 64)  # the window is longer than the sequence
+    assert attention_flops(32, 16) == pytest.approx(causal * (1 + sliding))
+    assert attention_flops(32, 32) == pytest.approx(causal * (1 + sliding))  # as long as the window
+
+
 def test_hf_module_input():
     model = build_model(load_config("llama-tiny"), "meta")
     g = trace(model, 1, 16)
