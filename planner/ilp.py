@@ -58,7 +58,16 @@ ABSURD_S = 1e12
 
 
 class InfeasibleError(ValueError):
-    """No choice assignment fits in memory (or the pins leave none)."""
+    """No choice assignment fits in memory (``memory`` True; ``need``: the bytes per
+    device the leanest one needs, where known), or none meets the constraints other than
+    memory (``memory`` False: tied parameters the pins place apart, a resharding no
+    collective makes, a time limit that ran out before any assignment was found).  Only
+    the first kind may be reported as "does not fit"."""
+
+    def __init__(self, message: str, need: float | None = None, memory: bool = True) -> None:
+        super().__init__(message)
+        self.need = need
+        self.memory = memory
 
 
 @dataclass
@@ -217,7 +226,15 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
     """
     for u in units.values():
         if not u.choices:
-            raise InfeasibleError(f"no valid placement for {u.kind} {u.key} ({u.module or 'model'})")
+            raise InfeasibleError(f"no valid placement for {u.kind} {u.key} ({u.module or 'model'})", memory=False)
+    for param, keys in (tied or {}).items():
+        # a parameter several anchors use (a tied embedding and head) takes one placement:
+        # where their choices share none, no memory bound makes the ILP feasible
+        offered = [{c.weights[param] for c in units[k].choices if param in c.weights} for k in keys]
+        if not set.intersection(*offered):
+            takes = "; ".join(f"{units[k].module} takes {' or '.join(str(list(pl)) for pl in sorted(o))}"
+                              for k, o in zip(keys, offered))
+            raise InfeasibleError(f"{param} is tied, and no placement suits all its uses: {takes}", memory=False)
     prob = pulp.LpProblem("placement", pulp.LpMinimize)
     x = {k: [prob.add_variable(f"x_{i}_{j}", cat="Binary") for j in range(len(u.choices))]
          for i, (k, u) in enumerate(units.items())}
@@ -289,10 +306,22 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
     status = pulp.LpStatus[prob.status]
     values = {k: [v.value() or 0.0 for v in vs] for k, vs in x.items()}
     if status != "Optimal" and not all(max(vs) > 0.5 for vs in values.values()):
+        if status != "Infeasible":  # stopped (the time limit) before it found any
+            raise InfeasibleError(f"the solver found no assignment in its time limit ({status})", memory=False)
         need = min_memory(units, state_divisor)
+        if need <= memory_budget:
+            # the leanest choice of each unit fits, so memory may not be what rules every
+            # assignment out: solve again without the bound for the least memory any
+            # consistent assignment needs (none: the other constraints conflict)
+            del prob.constraints["memory"]
+            prob.setObjective(pulp.lpSum(mem))
+            prob.solve(solver)
+            if not all(max(v.value() or 0.0 for v in vs) > 0.5 for vs in x.values()):
+                raise InfeasibleError("no assignment meets the placement constraints", memory=False)
+            need = max(need, float(pulp.value(prob.objective)))
         raise InfeasibleError(
             f"devices: no layout fits; the leanest needs {need / 2**30:.1f} GiB per device, "
-            f"{memory_budget / 2**30:.1f} GiB usable")
+            f"{memory_budget / 2**30:.1f} GiB usable", need=need)
     choice = {k: units[k].choices[max(range(len(vs)), key=vs.__getitem__)] for k, vs in values.items()}
     reshard_total, edges = realised_resharding(ctx, units, tensor_map, choice)
     gap = 0.0 if status == "Optimal" else None

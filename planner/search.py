@@ -287,15 +287,22 @@ def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dic
         for fqn in {f for c in u.choices for f in c.weights}:
             tied.setdefault(fqn, []).append(k)
     tied = {f: ks for f, ks in tied.items() if len(ks) > 1}
-    budget = usable_bytes(ctx.profile) - _gathered_estimate(ctx, graph, pp)
+    gathered = _gathered_estimate(ctx, graph, pp)
+    budget = usable_bytes(ctx.profile) - gathered
     if lift_memory:  # PuLP refuses an infinite bound: the largest choice per unit never binds
         budget = max(budget, 1 + sum(max(sum(c.state) / pp + c.act_bytes for c in u.choices)
                                      for u in units.values()))
-    sol = solve(ctx, units, tmap, budget, tied, time_limit_s, state_divisor=pp)
+    try:
+        sol = solve(ctx, units, tmap, budget, tied, time_limit_s, state_divisor=pp)
+    except InfeasibleError as e:
+        if e.need is not None:  # the ILP's bytes, less what FSDP gathers (held back from its budget)
+            e.need += gathered
+        raise
     if pp == 1:
         pred = evaluate(ctx, graph, units, sol)
         if not pred.memory.fits and not lift_memory:  # the layout gathers more than estimated
-            raise InfeasibleError(f"the layout needs {binary_size(pred.memory.total, 1)} per device")
+            raise InfeasibleError(f"the layout needs {binary_size(pred.memory.total, 1)} per device",
+                                  need=pred.memory.total)
         return Candidate(ctx, units, sol, pred)
     found = best_pipeline(ctx, graph, units, sol, pp, schedules, math.inf if lift_memory else None,
                           _partial_grads(ctx, graph, units, sol, _placed(sol.choice.values())))
@@ -366,6 +373,9 @@ class Searched:
     alternatives: list[Alternative]
     leanest: float
     batch_blocked: list[str]
+    # why layouts were ruled out by something other than memory (InfeasibleError.memory
+    # False: tied parameters pinned apart, no consistent resharding, the time limit)
+    conflicts: list[str] = field(default_factory=list)
 
     def need(self, profile: Profile) -> str:
         """The memory clause of a "does not fit" message ("" when nothing was priced)."""
@@ -388,6 +398,7 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
     best: Candidate | None = None
     alternatives: list[Alternative] = []
     blocked: list[str] = []
+    conflicts: list[str] = []
     leanest = math.inf
     deadline = time.perf_counter() + time_limit_s if time_limit_s else None
     for names, shape in meshes:
@@ -408,7 +419,7 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
         for fsdp in fsdp_modes:
             label = f"{'x'.join(f'{k}={v}' for k, v in mesh_d.items())} {'fsdp' if fsdp else 'replicate'}"
             ckpts = [fixed["checkpointing"]] if fixed else ["none", "selective", "full"]
-            found, late, fewest_fits = None, False, False
+            found, late, fewest_fits, conflict = None, False, False, ""
             for ckpt in ckpts:
                 # micro-batch counts from the fewest that fits: without a pipeline more only
                 # cost time (the first that fits is the one), with one the fewest that fits
@@ -431,8 +442,14 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                     try:
                         cand = _solve(ctx, graph, units, unit_of, max(left, 1.0) if left else None,
                                       pp, schedules, lift_memory)
-                    except InfeasibleError:
-                        leanest = min(leanest, need)
+                    except InfeasibleError as e:
+                        # only a layout memory rules out is "leanest": the bound ``need``
+                        # fit here, so it is no measure of what one that does not fit needs
+                        if e.memory:
+                            leanest = min(leanest, max(need, e.need or 0.0))
+                        else:
+                            conflicts.append(f"{label}: {e}")
+                            conflict = str(e)
                         continue
                     if found is None or cand.prediction.time.step_time_s < found.prediction.time.step_time_s:
                         found = cand
@@ -445,9 +462,10 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                 if fewest_fits:
                     break  # no recomputation fits at the fewest micro-batches: checkpointing cannot be faster
             if not found:
-                note = "skipped (time limit)" if late else "nothing fits"
+                note = ("skipped (time limit)" if late else f"no layout found ({conflict})" if conflict
+                        else "nothing fits")
                 alternatives.append(Alternative(mesh=mesh_d, step_time_s=None, fits=False, note=f"{label}: {note}"))
-                progress(f"  {label}: {'skipped (time limit)' if late else 'no layout fits'}")
+                progress(f"  {label}: {'no layout fits' if note == 'nothing fits' else note}")
                 continue
             p = found.prediction
             extra = f", schedule={found.schedule}" if found.pp > 1 else ""
@@ -460,7 +478,7 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                      f"{binary_size(p.memory.total, 1)}/device")
             if best is None or p.time.step_time_s < best.prediction.time.step_time_s:
                 best = found
-    return Searched(best, alternatives, leanest, blocked)
+    return Searched(best, alternatives, leanest, blocked, conflicts)
 
 
 def _lead(cand: Candidate) -> tuple[str, ...]:
@@ -727,7 +745,10 @@ def _nothing_fits(model: Any, devices: int, prof: Profile, meshes: int, found: S
     blocked = "; ".join(found.batch_blocked)
     if len(found.batch_blocked) == meshes:
         return f"batch_size: no mesh tried can split the batch: {blocked}"
-    memory = f"devices: no layout of {model_label(model)} fits on {devices} x {prof.name}{found.need(prof)}"
+    if found.leanest == math.inf and found.conflicts:
+        memory = f"devices: no layout of {model_label(model)} was found ({found.conflicts[0]})"
+    else:
+        memory = f"devices: no layout of {model_label(model)} fits on {devices} x {prof.name}{found.need(prof)}"
     return f"{memory}; batch_size rules out the other meshes: {blocked}" if blocked else memory
 
 
@@ -940,6 +961,8 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
                             "split by sequence: sequence parallelism is not available for this model")
     if found.best is None and not require_fit:
         found = search(lift_memory=True)  # only now: a layout that fits keeps the bound's choices
+    if found.best is None and found.leanest == math.inf and found.conflicts:
+        raise PlanningError(f"devices: this layout has no consistent placement ({found.conflicts[0]})")
     if found.best is None:
         raise PlanningError(f"devices: this layout does not fit{found.need(prof)}")
     return _assemble(model, graph, prof, devices, found.best, [], time.perf_counter() - t0)

@@ -1012,3 +1012,48 @@ def test_a_forced_tp_the_heads_do_not_divide_says_so() -> None:
     planner.plan("llama-tiny", devices=4, profile="cpu-gloo-local", batch_size=8, seq_len=16,
                  mesh={"dp": 1, "tp": 4}, progress=said.append)
     assert "note: tp=4 does not divide the 2 key/value heads, so attention cannot split over it" in said
+
+
+_TIED = {**PRESETS["llama-tiny"], "tie_word_embeddings": True, "max_position_embeddings": 64}
+
+
+def test_a_tied_parameter_placed_apart_is_named_not_called_out_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Falcon's ``word_embeddings`` (a name the hand layout did not know) stayed replicated
+    while its tied ``lm_head`` went column-parallel: no assignment could exist, and
+    hand_plan said "does not fit; the leanest layout needs 366.8 KiB per device, 5.3 GiB
+    usable".  The same here with Llama's embedding taken off the row-parallel names."""
+    import planner.search
+
+    monkeypatch.setattr(planner.search, "_ROWWISE", re.compile(r"(o_proj|down_proj)$"))
+    for require_fit in (True, False):  # estimate --json lifts the memory bound: the same reason
+        with pytest.raises(planner.PlanningError) as info:
+            planner.hand_plan(_TIED, 4, "cpu-gloo-local", dp=2, tp=2, sp=True, fsdp=True, batch_size=8, seq_len=16,
+                              require_fit=require_fit)
+        assert str(info.value).startswith("devices: this layout has no consistent placement (dp=2xtp=2 fsdp: "
+                                          "model.embed_tokens.weight is tied, and no placement suits all its uses: "
+                                          "model.embed_tokens takes ['R', 'R']; lm_head takes ['R', 'S(0)']"), info.value
+
+
+def test_a_solve_stopped_before_any_layout_is_not_called_out_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A solve the time limit stops before it finds an assignment read "no layout fits; the
+    leanest layout needs 219.3 KiB per device, 5.3 GiB usable" (llama-tiny on 4 CPUs).
+    The solver's own stop is what this stands in for: a real one needs a model too big
+    to solve in a test's time."""
+    import pulp
+
+    solve = pulp.LpProblem.solve
+
+    def stopped(self: pulp.LpProblem, *args: object, **kwargs: object) -> int:
+        status = solve(self, *args, **kwargs)
+        if self.name == "placement":
+            self.status = pulp.LpStatusNotSolved
+            for v in self.variables():
+                v.varValue = None
+        return status
+
+    monkeypatch.setattr(pulp.LpProblem, "solve", stopped)
+    with pytest.raises(planner.PlanningError) as info:
+        planner.plan("llama-tiny", 4, "cpu-gloo-local", batch_size=8, seq_len=16, time_limit_s=5)
+    assert str(info.value).startswith("devices: no layout of llama-tiny was found ("), info.value
+    assert "the solver found no assignment in its time limit (Not Solved)" in str(info.value)
+    assert "fits" not in str(info.value)
