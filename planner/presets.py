@@ -25,7 +25,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 # Each trains on N ranks as on one device under tensor, sequence, fully sharded and
 # pipeline parallelism (tests/test_executor.py, test_pipeline.py, test_architectures.py).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3", "gemma", "gemma3_text",
-                         "olmo", "granite", "starcoder2", "gpt_neox", "phi", "phi3", "cohere", "stablelm")
+                         "olmo", "granite", "starcoder2", "gpt_neox", "phi", "phi3", "cohere", "stablelm",
+                         "qwen3_moe")
 
 
 class ConfigError(ValueError):
@@ -100,7 +101,9 @@ _LIMITS = {
     "head_dim": 16384,
     "vocab_size": 4194304,
     "max_position_embeddings": 1 << 24,
-    "num_local_experts": 1024,
+    "num_local_experts": 1024,  # Mixtral's name
+    "num_experts": 1024,  # Qwen3-MoE's
+    "moe_intermediate_size": 1048576,
     "num_experts_per_tok": 64,
 }
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -177,10 +180,11 @@ def _check(data: dict[str, Any]) -> None:
     # What transformers fills in for a key left out: its config's __init__ defaults, read
     # without building one (starcoder2's default config warns that its own bos is not a token).
     defaults = inspect.signature(CONFIG_MAPPING[model_type].__init__).parameters
-    experts, routed = (data.get(key, _default(defaults, key)) for key in ("num_local_experts", "num_experts_per_tok"))
+    experts_key = "num_experts" if "num_experts" in defaults else "num_local_experts"
+    experts, routed = (data.get(key, _default(defaults, key)) for key in (experts_key, "num_experts_per_tok"))
     if experts is not None and routed is not None and routed > experts:
         # torch.export's "k not in range for dimension" from the router's topk otherwise
-        raise ConfigError(f"num_experts_per_tok: {routed} exceeds num_local_experts {experts}")
+        raise ConfigError(f"num_experts_per_tok: {routed} exceeds {experts_key} {experts}")
     pad, vocab = data.get("pad_token_id", _default(defaults, "pad_token_id")), data["vocab_size"]
     if (model_type not in _NO_PADDING_ROW and isinstance(pad, int) and not isinstance(pad, bool)
             and not -vocab <= pad < vocab):

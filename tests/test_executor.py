@@ -423,6 +423,10 @@ def test_router_options_that_do_not_split_by_rows_warn() -> None:
 # every token routed to every expert: with top-2 of 4, bf16 rounding flips near-tied routes
 # between two runs, which moves a layer's expert gradients by ~5%, on one device as on two
 MIXTRAL = {**PRESETS["llama-tiny"], "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 4}
+# Qwen3-MoE's experts are Mixtral's; its first layer a dense MLP here (mlp_only_layers), so
+# the layers differ and the whole model is traced; q/k normed per head
+QWEN3_MOE = {**PRESETS["llama-tiny"], "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 4,
+             "moe_intermediate_size": 32, "head_dim": 8, "norm_topk_prob": True, "mlp_only_layers": [0]}
 
 
 def mixtral_steps(plan_json: str | None, config: dict[str, Any] = MIXTRAL) -> dict[str, Any]:
@@ -446,19 +450,20 @@ def mixtral_steps(plan_json: str | None, config: dict[str, Any] = MIXTRAL) -> di
     return {"losses": losses, "grads": grads, "held": held}
 
 
-def test_mixtral_experts_column_then_row_parallel_match_single_device() -> None:
+@pytest.mark.parametrize("config", [MIXTRAL, QWEN3_MOE], ids=["mixtral", "qwen3_moe"])
+def test_mixtral_experts_column_then_row_parallel_match_single_device(config: dict[str, Any]) -> None:
     """The hand layout's experts (gate_up_proj split by its 2 x ffn outputs, so the gate
     and up halves land on different ranks before the model's ``chunk(2)``; down_proj by
     its ffn inputs, a pending sum out) train as on one device."""
-    plan = planner.hand_plan(MIXTRAL, devices=2, profile="cpu-gloo-local", tp=2, batch_size=BATCH,
+    plan = planner.hand_plan(config, devices=2, profile="cpu-gloo-local", tp=2, batch_size=BATCH,
                              seq_len=SEQ)
     assert {p.fqn: p.placements for p in plan.parameters if ".experts." in p.fqn} == {
         "model.layers.*.mlp.experts.gate_up_proj": ["R", "S(1)"], "model.layers.*.mlp.experts.down_proj": ["R", "S(2)"]}
     try:
-        ref = mixtral_steps(None)
+        ref = mixtral_steps(None, config)
     finally:
         executor.rng.deactivate()
-    got = run_on_ranks(2, mixtral_steps, plan.to_json())[0]
+    got = run_on_ranks(2, mixtral_steps, plan.to_json(), config)[0]
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=0)
     for name, grad in ref["grads"].items():  # bf16: sums in another order, 0.7% apart (each 0.75% from fp32)
         miss = (got["grads"][name].float() - grad.float()).norm() / grad.float().norm()

@@ -146,6 +146,9 @@ LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
          "num_experts_per_tok", "8 exceeds num_local_experts 4"),
         ({**LLAMA, "model_type": "mixtral", "num_experts_per_tok": 12},  # transformers' 8 experts
          "num_experts_per_tok", "12 exceeds num_local_experts 8"),
+        ({**LLAMA, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 8},
+         "num_experts_per_tok", "8 exceeds num_experts 4"),
+        ({**LLAMA, "model_type": "qwen3_moe", "num_experts": 10**6}, "num_experts", "beyond the sanity limit 1024"),
     ],
 )
 def test_bad_configs_give_one_line_errors(config, field, says):
