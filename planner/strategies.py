@@ -517,24 +517,24 @@ def cuts_replicated_inputs(graph: nx.DiGraph, kind: str, members: Sequence[str])
     return any(norm_module_node(graph.nodes[n]) for n in members)
 
 
-def _reduces_features(ctx: Context, node: dict) -> bool:
-    """Whether ``node`` reduces or normalises across the dim a feature (``H``) layout
-    shards, so that a segment holding it cannot keep that dim sharded.  On a 3-D tensor
-    that is the last dim (a norm over the hidden states); on attention's 4-D tensors it is
-    the heads, which a per-head norm over head_dim (Qwen3's q_norm) leaves split."""
-    if node["short"] not in REDUCING_OPS - LOSS_OPS:
-        return False
-    shape, dims = (node.get("in_shapes") or [()])[0], node.get("op_dims")
-    sharded = concrete("H", shape, ctx.seq_len)
-    return dims is None or sharded is None or shard_dim(sharded) in dims
-
-
-def _cuts_features(node: dict) -> bool:
-    """Whether ``node`` cuts the dim a feature (``H``) layout shards: the last of a tensor
-    of up to 3 dims (attention's 4-D tensors shard their heads, not the last)."""
-    src, dst = (node.get("in_shapes") or [()])[0], node["shape"]
-    return (node["short"] in CUTTING_OPS and 1 <= len(src) <= 3 and len(dst) == len(src)
-            and dst[-1] != src[-1])
+def _crosses_features(ctx: Context, node: dict) -> bool:
+    """Whether ``node`` works across the dim a feature (``H``) layout shards, so that a
+    segment holding it cannot keep that dim sharded: a reduction or norm over it, or a cut
+    of it (DTensor gathers a tensor sharded on the dim it splits, ``split_strategy``).  On
+    a tensor of up to 3 dims ``H`` shards the last: a norm over the hidden states, GPT-2's
+    q/k/v split, Mixtral's gate/up chunk cross it.  On attention's 4-D tensors it shards
+    the heads, which a per-head norm over head_dim (Qwen3's q_norm) and rotary's halves of
+    head_dim leave whole, and StableLM's split into single heads cuts."""
+    short = node["short"]
+    src = (node.get("in_shapes") or [()])[0]
+    sharded = concrete("H", src, ctx.seq_len)
+    if short in CUTTING_OPS:
+        dst, dim = node["shape"], shard_dim(sharded) if sharded else None
+        return dim is not None and len(dst) == len(src) and dst[dim] != src[dim]
+    if short in REDUCING_OPS - LOSS_OPS:
+        dims = node.get("op_dims")
+        return dims is None or sharded is None or shard_dim(sharded) in dims
+    return False
 
 
 def segment_choices(ctx: Context, graph: nx.DiGraph, nodes: Sequence[str],
@@ -561,7 +561,7 @@ def segment_choices(ctx: Context, graph: nx.DiGraph, nodes: Sequence[str],
         layout = _combine(ctx, per_dim, "B")
         if "P" in layout and not only_views:
             continue
-        if "H" in layout and any(_reduces_features(ctx, d) or _cuts_features(d) for d, _ in data):
+        if "H" in layout and any(_crosses_features(ctx, d) for d, _ in data):
             continue
         if shorts & LOSS_OPS and any(layout[i] not in ("R", "H") for i in ctx.free_dims):
             continue

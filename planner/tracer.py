@@ -576,20 +576,27 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
     return graph
 
 
+# Model types whose layers each take the mask their ``layer_types`` entry names
+# (``causal_mask_mapping[config.layer_types[i]]`` in their modelling code).
+_MASK_PER_LAYER_TYPE = ("qwen2", "qwen3", "gemma3_text")
+
+
 def _price_sliding_windows(graph: nx.DiGraph, config: PretrainedConfig, seq_len: int, layers: int,
                            traced: int) -> None:
     """A sliding-window layer's attention at a sequence as long as its window costs all of
     a full attention's FLOPs, not the causal half ``_matmul_flops`` prices: Hugging Face
     then passes SDPA the window's mask (``_ignore_causal_mask_sdpa``), and the kernels that
     take a mask compute every block; none skips the blocks outside the window.  Which
-    layers slide: ``layer_types`` where the config has it (Gemma 3's five local to one
-    global), else every layer once ``sliding_window`` is set (Mistral, Phi-3, Starcoder2).
+    layers slide: per ``layer_types`` for the models that pick each layer's mask by it
+    (Gemma 3's five local to one global, Qwen2/3's from ``max_window_layers``), else
+    every layer once ``sliding_window`` is set (Mistral, Mixtral, Phi-3, Starcoder2,
+    Qwen3-MoE build one mask for all; a Ministral config's ``layer_types`` is ignored).
     A traced layer standing for several real ones takes their average."""
     window = getattr(config, "sliding_window", None)
     if not isinstance(window, int) or seq_len < window:
         return
-    types = getattr(config, "layer_types", None) or ["sliding_attention"] * layers
-    sliding = [t == "sliding_attention" for t in types[:layers]]
+    types = getattr(config, "layer_types", None) if config.model_type in _MASK_PER_LAYER_TYPE else None
+    sliding = [t == "sliding_attention" for t in (types or ["sliding_attention"] * layers)[:layers]]
     for _, d in graph.nodes(data=True):
         if d.get("short") != "scaled_dot_product_attention" or d["layer"] is None:
             continue

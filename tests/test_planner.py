@@ -516,7 +516,7 @@ def test_a_segment_that_cuts_the_features_does_not_keep_them_sharded():
         assert any("H" in {c.name for c in u.choices} for u in segments if u not in cutting)
 
 
-def test_a_per_head_norm_keeps_the_heads_sharded_and_a_hidden_norm_does_not():
+def test_a_per_head_norm_keeps_the_heads_sharded_and_a_hidden_norm_does_not() -> None:
     """Qwen3's q_norm / k_norm normalise each head over head_dim, so a tensor-parallel
     layout keeps the heads split through them; the planner offered only replicated or
     batch layouts there, as for a norm over the hidden states, and `estimate` priced
@@ -536,6 +536,13 @@ def test_a_per_head_norm_keeps_the_heads_sharded_and_a_hidden_norm_does_not():
     assert set(norms) == {"input_layernorm", "q_norm", "k_norm", "post_attention_layernorm"}
     for name, unit in norms.items():
         assert ("H" in {c.name for c in unit.choices}) == (name in ("q_norm", "k_norm")), name
+    # StableLM's per-head norms split the heads apart first, which DTensor gathers (review)
+    graph = trace({**PRESETS["llama-tiny"], "model_type": "stablelm", "qk_layernorm": True}, 1, 16)
+    units, _ = build_units(_context(load_profile("cpu-gloo-local"), ("tp",), (2,), 8, 16, 1, False, "none", 2),
+                           graph)
+    split = [u for u in units.values() if u.kind == "segment" and any(
+        graph.nodes[n]["short"] == "split" and graph.nodes[n]["module"].endswith("q_layernorm") for n in u.nodes)]
+    assert split and all("H" not in {c.name for c in u.choices} for u in split)
 
 
 def _allocated_bytes() -> int | None:

@@ -82,6 +82,8 @@ def test_llama3_8b_training_flops_match_6nt_plus_attention():
 
 @pytest.mark.parametrize(("config", "sliding"), [
     ({"model_type": "mistral", "sliding_window": 16}, 1.0),  # every layer once sliding_window is set
+    # Ministral's layer_types: Mistral's code builds one sliding mask for every layer all the same
+    ({"model_type": "mistral", "layer_types": ["sliding_attention", "full_attention"] * 6}, 1.0),
     ({"model_type": "gemma3_text", "sliding_window": 16, "head_dim": 8}, 10 / 12),  # five local to one global
     ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 6}, 0.5),  # layers 6 to 11
 ])
