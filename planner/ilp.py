@@ -42,6 +42,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Literal
 
 import networkx as nx
 import pulp
@@ -58,16 +59,17 @@ ABSURD_S = 1e12
 
 
 class InfeasibleError(ValueError):
-    """No choice assignment fits in memory (``memory`` True; ``need``: the bytes per
-    device the leanest one needs, where known), or none meets the constraints other than
-    memory (``memory`` False: tied parameters the pins place apart, a resharding no
-    collective makes, a time limit that ran out before any assignment was found).  Only
-    the first kind may be reported as "does not fit"."""
+    """No choice assignment was found.  ``kind`` says why, which decides what a message may
+    call it: ``memory``, none fits (``need``: the bytes per device the leanest needs, where
+    known); ``conflict``, none meets the other constraints (tied parameters the pins place
+    apart, a unit the pins leave no choice); ``time``, the solver's time limit ran out
+    before it found one."""
 
-    def __init__(self, message: str, need: float | None = None, memory: bool = True) -> None:
+    def __init__(self, message: str, need: float | None = None,
+                 kind: Literal["memory", "conflict", "time"] = "memory") -> None:
         super().__init__(message)
         self.need = need
-        self.memory = memory
+        self.kind = kind
 
 
 @dataclass
@@ -226,15 +228,15 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
     """
     for u in units.values():
         if not u.choices:
-            raise InfeasibleError(f"no valid placement for {u.kind} {u.key} ({u.module or 'model'})", memory=False)
+            raise InfeasibleError(f"no valid placement for {u.kind} {u.key} ({u.module or 'model'})", kind="conflict")
     for param, keys in (tied or {}).items():
         # a parameter several anchors use (a tied embedding and head) takes one placement:
         # where their choices share none, no memory bound makes the ILP feasible
         offered = [{c.weights[param] for c in units[k].choices if param in c.weights} for k in keys]
         if not set.intersection(*offered):
-            takes = "; ".join(f"{units[k].module} takes {' or '.join(str(list(pl)) for pl in sorted(o))}"
-                              for k, o in zip(keys, offered))
-            raise InfeasibleError(f"{param} is tied, and no placement suits all its uses: {takes}", memory=False)
+            takes = "; ".join(sorted(f"{units[k].module} takes {' or '.join(str(list(pl)) for pl in sorted(o))}"
+                                     for k, o in zip(keys, offered)))
+            raise InfeasibleError(f"{param} is tied, and no placement suits all its uses: {takes}", kind="conflict")
     prob = pulp.LpProblem("placement", pulp.LpMinimize)
     x = {k: [prob.add_variable(f"x_{i}_{j}", cat="Binary") for j in range(len(u.choices))]
          for i, (k, u) in enumerate(units.items())}
@@ -306,18 +308,22 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
     status = pulp.LpStatus[prob.status]
     values = {k: [v.value() or 0.0 for v in vs] for k, vs in x.items()}
     if status != "Optimal" and not all(max(vs) > 0.5 for vs in values.values()):
-        if status != "Infeasible":  # stopped (the time limit) before it found any
-            raise InfeasibleError(f"the solver found no assignment in its time limit ({status})", memory=False)
+        stopped = f"the solver found no assignment in its time limit ({time_limit_s} s)"
+        if status != "Infeasible":
+            raise InfeasibleError(stopped, kind="time")
         need = min_memory(units, state_divisor)
         if need <= memory_budget:
             # the leanest choice of each unit fits, so memory may not be what rules every
             # assignment out: solve again without the bound for the least memory any
             # consistent assignment needs (none: the other constraints conflict)
-            del prob.constraints["memory"]
+            prob.get_constraint_by_name("memory").changeRHS(  # bound by every unit's largest choice
+                1 + sum(max(sum(c.state) / state_divisor + c.act_bytes for c in u.choices) for u in units.values()))
             prob.setObjective(pulp.lpSum(mem))
             prob.solve(solver)
             if not all(max(v.value() or 0.0 for v in vs) > 0.5 for vs in x.values()):
-                raise InfeasibleError("no assignment meets the placement constraints", memory=False)
+                if pulp.LpStatus[prob.status] == "Infeasible":
+                    raise InfeasibleError("no assignment meets the placement constraints", kind="conflict")
+                raise InfeasibleError(stopped, kind="time")
             need = max(need, float(pulp.value(prob.objective)))
         raise InfeasibleError(
             f"devices: no layout fits; the leanest needs {need / 2**30:.1f} GiB per device, "

@@ -150,9 +150,15 @@ def _check(data: dict[str, Any]) -> None:
         text = data.get("text_config")
         hint = ""
         if isinstance(text, Mapping) and text.get("model_type") in SUPPORTED_MODEL_TYPES:
-            # a multimodal config (Gemma 3's) around a supported language model
+            # a multimodal config (Gemma 3's) around a supported language model, whose
+            # text_config may leave sizes this check requires to its class's defaults
             hint = (f"; its text_config is a {text['model_type']} config: give that object to plan the "
                     f"language model alone")
+            params = inspect.signature(CONFIG_MAPPING[text["model_type"]].__init__).parameters
+            missing = {k: _default(params, k) for k in _REQUIRED if k not in text}
+            if missing:
+                hint += (f", adding {', '.join(missing)}, which it leaves to transformers' defaults "
+                         f"({', '.join(f'{k}={v!r}' for k, v in missing.items())})")
         raise ConfigError(
             f"model_type: {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}"
         )
@@ -180,7 +186,9 @@ def _check(data: dict[str, Any]) -> None:
     # What transformers fills in for a key left out: its config's __init__ defaults, read
     # without building one (starcoder2's default config warns that its own bos is not a token).
     defaults = inspect.signature(CONFIG_MAPPING[model_type].__init__).parameters
-    experts_key = "num_experts" if "num_experts" in defaults else "num_local_experts"
+    # the experts under either name: transformers maps each to the other (attribute_map)
+    experts_key = next((k for k in ("num_local_experts", "num_experts") if k in data),
+                       "num_experts" if "num_experts" in defaults else "num_local_experts")
     experts, routed = (data.get(key, _default(defaults, key)) for key in (experts_key, "num_experts_per_tok"))
     if experts is not None and routed is not None and routed > experts:
         # torch.export's "k not in range for dimension" from the router's topk otherwise

@@ -373,9 +373,9 @@ class Searched:
     alternatives: list[Alternative]
     leanest: float
     batch_blocked: list[str]
-    # why layouts were ruled out by something other than memory (InfeasibleError.memory
-    # False: tied parameters pinned apart, no consistent resharding, the time limit)
-    conflicts: list[str] = field(default_factory=list)
+    # why layouts were ruled out by something other than memory: (InfeasibleError.kind,
+    # "mesh label: message") for a conflict of constraints or the solver's time limit
+    conflicts: list[tuple[str, str]] = field(default_factory=list)
 
     def need(self, profile: Profile) -> str:
         """The memory clause of a "does not fit" message ("" when nothing was priced)."""
@@ -398,7 +398,7 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
     best: Candidate | None = None
     alternatives: list[Alternative] = []
     blocked: list[str] = []
-    conflicts: list[str] = []
+    conflicts: list[tuple[str, str]] = []
     leanest = math.inf
     deadline = time.perf_counter() + time_limit_s if time_limit_s else None
     for names, shape in meshes:
@@ -445,10 +445,10 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                     except InfeasibleError as e:
                         # only a layout memory rules out is "leanest": the bound ``need``
                         # fit here, so it is no measure of what one that does not fit needs
-                        if e.memory:
+                        if e.kind == "memory":
                             leanest = min(leanest, max(need, e.need or 0.0))
                         else:
-                            conflicts.append(f"{label}: {e}")
+                            conflicts.append((e.kind, f"{label}: {e}"))
                             conflict = str(e)
                         continue
                     if found is None or cand.prediction.time.step_time_s < found.prediction.time.step_time_s:
@@ -746,7 +746,10 @@ def _nothing_fits(model: Any, devices: int, prof: Profile, meshes: int, found: S
     if len(found.batch_blocked) == meshes:
         return f"batch_size: no mesh tried can split the batch: {blocked}"
     if found.leanest == math.inf and found.conflicts:
-        memory = f"devices: no layout of {model_label(model)} was found ({found.conflicts[0]})"
+        kinds, why = {kind for kind, _ in found.conflicts}, found.conflicts[0][1]
+        memory = (f"time_limit_s: no layout of {model_label(model)} was found in the time given ({why}); "
+                  "give the solver more time" if kinds == {"time"}
+                  else f"devices: no layout of {model_label(model)} was found ({why})")
     else:
         memory = f"devices: no layout of {model_label(model)} fits on {devices} x {prof.name}{found.need(prof)}"
     return f"{memory}; batch_size rules out the other meshes: {blocked}" if blocked else memory
@@ -962,7 +965,7 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
     if found.best is None and not require_fit:
         found = search(lift_memory=True)  # only now: a layout that fits keeps the bound's choices
     if found.best is None and found.leanest == math.inf and found.conflicts:
-        raise PlanningError(f"devices: this layout has no consistent placement ({found.conflicts[0]})")
+        raise PlanningError(f"devices: this layout has no consistent placement ({found.conflicts[0][1]})")
     if found.best is None:
         raise PlanningError(f"devices: this layout does not fit{found.need(prof)}")
     return _assemble(model, graph, prof, devices, found.best, [], time.perf_counter() - t0)

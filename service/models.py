@@ -99,11 +99,12 @@ class HFConfigModel(_Request):
     @classmethod
     def _no_indirection(cls, value: dict[str, Any]) -> dict[str, Any]:
         value = {k: v for k, v in value.items() if k not in _METADATA_HF_KEYS}
-        for key in value:
-            if key in _REFUSED_HF_KEYS or key.startswith("_"):
-                why = _REFUSED_HF_KEYS.get(key, "keys starting with '_' set transformers' internal state")
-                raise PydanticCustomError(JSON_VALUE_ERROR, "{path}: {problem}",
-                                          {"path": key, "problem": f"not accepted by the service: {why}"})
+        refused = [k for k in value if k in _REFUSED_HF_KEYS or k.startswith("_")]
+        if refused:
+            why = _REFUSED_HF_KEYS.get(refused[0], "keys starting with '_' set transformers' internal state")
+            also = f" (also refused: {', '.join(refused[1:])})" if len(refused) > 1 else ""
+            raise PydanticCustomError(JSON_VALUE_ERROR, "{path}: {problem}",
+                                      {"path": refused[0], "problem": f"not accepted by the service: {why}{also}"})
         check_json_value(value, MAX_HF_CONFIG_DEPTH)
         return value
 

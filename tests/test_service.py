@@ -252,8 +252,10 @@ def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
                                       "num_attention_heads": 4, "vocab_size": 64}}}, 422, "hidden_size"),
     ({**TINY, "model": {"hf_config": {"model_type": "llama", "auto_map": {"AutoModel": "x.Y"}}}}, 422,
      "model.hf_config.auto_map: not accepted by the service: it points at the model's own code"),
-    ({**TINY, "model": {"hf_config": {"_name_or_path": "a/b", "model_type": "llama", "_attn_implementation": "x"}}},
-     422, "model.hf_config._attn_implementation: not accepted by the service: keys starting with '_'"),
+    ({**TINY, "model": {"hf_config": {"_name_or_path": "a/b", "model_type": "llama", "_attn_implementation": "x",
+                                      "quantization_config": {}}}},
+     422, "model.hf_config._attn_implementation: not accepted by the service: keys starting with '_' set "
+          "transformers' internal state (also refused: quantization_config)"),
     ({**TINY, "devices": 0}, 422, "devices: Input should be greater than or equal to 1"),
     ({**TINY, "profile": "nope"}, 422, "profile: 'nope' is not a shipped profile"),
     ({**TINY, "profile": {"name": "half-a-profile"}}, 422, "profile.device_type: Field required"),

@@ -113,8 +113,11 @@ LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
     "config, field, says",
     [
         ({"model_type": "bert", "hidden_size": 8}, "model_type", "'bert' is not supported"),
-        ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}, "model_type",
-         "its text_config is a gemma3_text config: give that object"),
+        ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "hidden_size": 2560,
+                                                   "num_hidden_layers": 34}}, "model_type",
+         "its text_config is a gemma3_text config: give that object to plan the language model alone, adding "
+         "num_attention_heads, vocab_size, which it leaves to transformers' defaults (num_attention_heads=8, "
+         "vocab_size=262208)"),
         ({**LLAMA, "hidden_size": -4}, "hidden_size", "must be a positive integer, got -4"),
         ({**LLAMA, "num_hidden_layers": 0}, "num_hidden_layers", "must be a positive integer, got 0"),
         ({**LLAMA, "hidden_size": 10**7}, "hidden_size", "beyond the sanity limit"),
@@ -151,6 +154,9 @@ LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
         ({**LLAMA, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 8},
          "num_experts_per_tok", "8 exceeds num_experts 4"),
         ({**LLAMA, "model_type": "qwen3_moe", "num_experts": 10**6}, "num_experts", "beyond the sanity limit 1024"),
+        ({**LLAMA, "model_type": "qwen3_moe", "num_local_experts": 4, "num_experts_per_tok": 8},  # the alias
+         "num_experts_per_tok", "8 exceeds num_local_experts 4"),
+        ({**LLAMA, "model_type": "mixtral", "num_experts": 1}, "num_experts_per_tok", "2 exceeds num_experts 1"),
     ],
 )
 def test_bad_configs_give_one_line_errors(config, field, says):
