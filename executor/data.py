@@ -195,7 +195,7 @@ class _SlicedRandomness:
             return a["input"].copy_(out) if a["inplace"] else out
         a = {**dict(zip(_SDPA_ARGS, args, strict=False)), **kwargs}  # attention
         if not a.get("dropout_p"):
-            return func(*args, **kwargs)
+            return rng.sdpa(**a)  # on the rank's batch slice (no mask to draw); q, k, v aligned
         q = a["query"]
         batched = {k: self._global(v) if _has_batch(v, q) else v for k, v in a.items()}
         return self._back(rng.sdpa(**batched), q)
@@ -208,11 +208,13 @@ class _SlicedRandomness:
         return DTensor.from_local(local, self.mesh, [Shard(0)] * self.data_dims + placements,
                                   run_check=False)
 
-    @staticmethod
-    def _back(out: DTensor, like: torch.Tensor) -> torch.Tensor:
+    def _back(self, out: DTensor, like: torch.Tensor) -> torch.Tensor:
+        """``out``'s rank slice on ``like``'s mesh, with ``out``'s model-mesh placements:
+        attention may return another layout than its query arrived in (rng.sdpa aligns
+        q, k and v on their heads)."""
         local = out.to_local()
         if isinstance(like, DTensor):
-            return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False)
+            return DTensor.from_local(local, like.device_mesh, out.placements[self.data_dims:], run_check=False)
         return local
 
 

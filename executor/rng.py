@@ -869,7 +869,13 @@ def sdpa(
     Fused kernels draw their attention-dropout mask from torch's generator in
     a kernel-specific order, so the softmax/dropout/matmul decomposition is the
     only way to give the probabilities our mask.
+
+    DTensor q, k and v that arrive split differently (OLMo2's q_norm and k_norm span all
+    heads, so the plan leaves q and k replicated or split by sequence on tp, while v comes
+    out of its column-parallel projection split by heads) are first brought to one layout
+    that splits only batch and heads (:func:`_aligned_heads`).
     """
+    query, key, value = _aligned_heads(query, key, value)
     if dropout_p == 0.0:
         return _layouts_agree(F.scaled_dot_product_attention(
             query,
@@ -940,6 +946,52 @@ def _attention(
     # an fp32 gradient its backward refused ("expected input and grad types to match").
     weights = torch.ops.aten._safe_softmax(scores.float(), -1).to(scores.dtype)
     return drop(weights) @ value
+
+
+def _aligned_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v on one layout where DTensors on one mesh arrive in different ones: of
+    their own layouts, the one that splits most among those that split only batch and heads
+    (evenly, for all three), value's first; the others are redistributed to it.
+
+    Attention is independent per batch element and head, so such a layout runs it on the
+    shards (:func:`_sdpa_on_shards` with dropout; DTensor's own SDPA rule without).  Left
+    to DTensor, q split by sequence (or replicated) against v split by heads reached the
+    decomposition's ``probabilities @ value`` bmm with v flattened to a ``_StridedShard``
+    of batch x heads, for which DTensor prices every candidate strategy with its
+    graph-search redistribution planner: seconds per op on a 2-D mesh, and over ten minutes
+    for one op on the 3-D mesh of a replicate-only data-parallel plan (its size-1 shard dim).
+    Without dropout, DTensor's SDPA on such inputs gave an output whose local strides broke
+    the ``reshape`` after it."""
+    tensors = (query, key, value)
+    if not all(_is_dtensor(t) for t in tensors):
+        return query, key, value
+    mesh = query.device_mesh
+    if any(t.device_mesh != mesh or t.ndim != query.ndim for t in tensors) or query.ndim < 3:
+        return query, key, value
+    if query.placements == key.placements == value.placements:
+        return query, key, value
+    from torch.distributed.tensor import Replicate, Shard
+
+    def fits(placements: tuple[Any, ...]) -> bool:
+        for t in tensors:
+            pieces = [1] * t.ndim
+            for size, p in zip(mesh.shape, placements, strict=True):
+                if type(p) is Shard and p.dim % t.ndim < t.ndim - 2:
+                    pieces[p.dim % t.ndim] *= size
+                elif not isinstance(p, Replicate):
+                    return False
+            if any(n % k for n, k in zip(t.shape, pieces, strict=True)):
+                return False
+        return True
+
+    layouts = [tuple(t.placements) for t in (value, key, query)]
+    target = max((pl for pl in layouts if fits(pl)), default=None,
+                 key=lambda pl: math.prod(size for size, p in zip(mesh.shape, pl, strict=True) if type(p) is Shard))
+    if target is None:
+        return query, key, value
+    q, k, v = (t if tuple(t.placements) == target else t.redistribute(mesh, target) for t in tensors)
+    return q, k, v
 
 
 def _heads_sharded_alike(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

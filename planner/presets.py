@@ -26,7 +26,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 # pipeline parallelism (tests/test_executor.py, test_pipeline.py, test_architectures.py).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3", "gemma", "gemma3_text",
                          "olmo", "granite", "starcoder2", "gpt_neox", "phi", "phi3", "cohere", "stablelm",
-                         "qwen3_moe")
+                         "olmo2", "qwen3_moe")
 
 
 class ConfigError(ValueError):

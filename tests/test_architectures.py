@@ -51,6 +51,11 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "phi3-pp": ("phi3", {"pad_token_id": None}, PP_TP),
     "cohere": ("cohere", {}, TP_SP_FSDP),  # logit scale, parallel block
     "stablelm": ("stablelm", {"use_qkv_bias": True}, TP_SP_FSDP),
+    # q and k normed over all heads: the norm runs on them whole (tp) or by sequence (sp),
+    # and attention gets them split by heads as v is (executor.rng._aligned_heads)
+    "olmo2": ("olmo2", {}, TP_SP_FSDP),
+    "olmo2-no-dropout": ("olmo2", {"attention_dropout": 0.0}, TP_SP_FSDP),  # DTensor's own SDPA
+    "olmo2-ddp": ("olmo2", {}, {"dp": 2, "tp": 2}),  # replicate-only dp: the dropout draws on a 3-D mesh
 }
 
 
