@@ -971,22 +971,10 @@ def _aligned_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         return query, key, value
     if query.placements == key.placements == value.placements:
         return query, key, value
-    from torch.distributed.tensor import Replicate, Shard
-
-    def fits(placements: tuple[Any, ...]) -> bool:
-        for t in tensors:
-            pieces = [1] * t.ndim
-            for size, p in zip(mesh.shape, placements, strict=True):
-                if type(p) is Shard and p.dim % t.ndim < t.ndim - 2:
-                    pieces[p.dim % t.ndim] *= size
-                elif not isinstance(p, Replicate):
-                    return False
-            if any(n % k for n, k in zip(t.shape, pieces, strict=True)):
-                return False
-        return True
+    from torch.distributed.tensor import Shard
 
     layouts = [tuple(t.placements) for t in (value, key, query)]
-    target = max((pl for pl in layouts if fits(pl)), default=None,
+    target = max((pl for pl in layouts if _splits_batch_and_heads(tensors, mesh.shape, pl)), default=None,
                  key=lambda pl: math.prod(size for size, p in zip(mesh.shape, pl, strict=True) if type(p) is Shard))
     if target is None:
         return query, key, value
@@ -994,21 +982,15 @@ def _aligned_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return q, k, v
 
 
-def _heads_sharded_alike(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether q, k and v are DTensors on one mesh with the same placements, sharding
-    only (and evenly) their leading dims: batch and heads.  Attention is independent per
-    batch element and head, so each rank can then attend its own shards as plain
-    tensors, skipping DTensor's dispatch for the dozen ops of the decomposition."""
-    if not all(_is_dtensor(t) for t in (query, key, value)):
-        return False
+def _splits_batch_and_heads(tensors: Sequence[torch.Tensor], mesh_shape: Sequence[int],
+                            placements: Sequence[Any]) -> bool:
+    """Whether ``placements`` shard only the leading dims (batch and heads) of every one of
+    ``tensors``, each evenly."""
     from torch.distributed.tensor import Replicate, Shard
 
-    mesh, placements = query.device_mesh, query.placements
-    for t in (query, key, value):
-        if t.device_mesh != mesh or t.placements != placements:
-            return False
+    for t in tensors:
         pieces = [1] * t.ndim
-        for size, p in zip(mesh.shape, placements, strict=True):
+        for size, p in zip(mesh_shape, placements, strict=True):
             if type(p) is Shard and p.dim % t.ndim < t.ndim - 2:
                 pieces[p.dim % t.ndim] *= size
             elif not isinstance(p, Replicate):
@@ -1016,6 +998,19 @@ def _heads_sharded_alike(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         if any(n % k for n, k in zip(t.shape, pieces, strict=True)):
             return False
     return True
+
+
+def _heads_sharded_alike(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether q, k and v are DTensors on one mesh with the same placements, sharding
+    only (and evenly) their leading dims: batch and heads.  Attention is independent per
+    batch element and head, so each rank can then attend its own shards as plain
+    tensors, skipping DTensor's dispatch for the dozen ops of the decomposition."""
+    tensors = (query, key, value)
+    if not all(_is_dtensor(t) for t in tensors):
+        return False
+    mesh, placements = query.device_mesh, query.placements
+    return (all(t.device_mesh == mesh and t.placements == placements for t in tensors)
+            and _splits_batch_and_heads(tensors, mesh.shape, placements))
 
 
 def _sdpa_on_shards(
