@@ -962,8 +962,17 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
         raise PlanningError(f"sp: {model_label(model)}'s norms are traced in one segment with "
                             f"{_flat_tokens(graph, [u for u, want in streams if want != 'Q'])}, which the planner cannot "
                             "split by sequence: sequence parallelism is not available for this model")
-    if found.best is None and not require_fit:
-        found = search(lift_memory=True)  # only now: a layout that fits keeps the bound's choices
+    if found.best is None and not found.conflicts:
+        # only now: a layout that fits keeps the bound's choices.  With the bound lifted the
+        # layout may still fit: the ILP bounds a pipeline's memory by states / pp plus one
+        # micro-batch of every layer's activations, which the stages priced one by one can
+        # undercut (estimate said Qwen3-30B-A3B pp16 x tp4 fits in 69.7 GiB, hand_plan that
+        # it does not; review)
+        lifted = search(lift_memory=True)
+        if lifted.best is not None and (not require_fit or lifted.best.prediction.memory.fits):
+            found = lifted
+        elif lifted.best is not None:  # what estimate prices for this layout, not the ILP's bound
+            found.leanest = lifted.best.prediction.memory.total
     if found.best is None and found.leanest == math.inf and found.conflicts:
         raise PlanningError(f"devices: this layout has no consistent placement ({found.conflicts[0][1]})")
     if found.best is None:

@@ -1086,3 +1086,21 @@ def test_a_layout_memory_rules_out_reports_what_its_leanest_needs(monkeypatch: p
     with pytest.raises(InfeasibleError) as info:
         planner.search._solve(ctx, graph, units, unit_of, None)
     assert info.value.kind == "memory" and info.value.need > bound, (info.value.need, bound)
+
+
+def test_a_pipeline_layout_whose_stages_fit_is_not_refused() -> None:
+    """The ILP bounds a pipeline's memory by states / pp plus one micro-batch of every
+    layer's activations; the stages priced one by one need less.  hand_plan refused a
+    layout that estimate (the same prices, bound lifted) said fits: Qwen3-30B-A3B pp16 x tp4
+    on 64 H100s at 69.7 GiB of 72 usable "does not fit; the leanest layout needs 72.9 GiB"
+    (review).  Here a Llama pipeline on a device just big enough for its priced stages."""
+    from cost_model.profile import load_profile
+    from planner.search import usable_bytes
+
+    layout = {"pp": 2, "tp": 2, "microbatches": 2, "batch_size": 16, "seq_len": 64}
+    base = load_profile("cpu-gloo-local")
+    need = planner.hand_plan("llama-tiny", 4, base, require_fit=False, **layout).prediction.memory.total
+    tight = base.model_copy(update={"name": "tight",
+                                    "memory_bytes": int(need * base.memory_bytes / usable_bytes(base)) + 1024})
+    plan = planner.hand_plan("llama-tiny", 4, tight, **layout)
+    assert plan.prediction.memory.fits and plan.prediction.memory.total == need
