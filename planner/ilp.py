@@ -308,9 +308,10 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
     status = pulp.LpStatus[prob.status]
     values = {k: [v.value() or 0.0 for v in vs] for k, vs in x.items()}
     if status != "Optimal" and not all(max(vs) > 0.5 for vs in values.values()):
-        stopped = f"the solver found no assignment in its time limit ({time_limit_s} s)"
+        stopped = (f"the solver found no assignment in its time limit ({time_limit_s:g} s)" if time_limit_s
+                   else f"the solver found no assignment ({status})")
         if status != "Infeasible":
-            raise InfeasibleError(stopped, kind="time")
+            raise InfeasibleError(stopped, kind="time" if time_limit_s else "conflict")
         need = min_memory(units, state_divisor)
         if need <= memory_budget:
             # the leanest choice of each unit fits, so memory may not be what rules every
@@ -323,7 +324,7 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
             if not all(max(v.value() or 0.0 for v in vs) > 0.5 for vs in x.values()):
                 if pulp.LpStatus[prob.status] == "Infeasible":
                     raise InfeasibleError("no assignment meets the placement constraints", kind="conflict")
-                raise InfeasibleError(stopped, kind="time")
+                raise InfeasibleError(stopped, kind="time" if time_limit_s else "conflict")
             need = max(need, float(pulp.value(prob.objective)))
         raise InfeasibleError(
             f"devices: no layout fits; the leanest needs {need / 2**30:.1f} GiB per device, "
