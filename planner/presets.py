@@ -199,6 +199,7 @@ def _check(data: dict[str, Any]) -> None:
         # the embedding's padding row: torch.nn.Embedding asserts it (an AssertionError)
         given = "" if "pad_token_id" in data else f" ({model_type}'s default; set it, or null)"
         raise ConfigError(f"pad_token_id: {pad}{given} is not a token of the vocabulary (vocab_size {vocab})")
+    _check_probabilities(data)
     _check_activation(data, "activation_function" if model_type == "gpt2" else "hidden_act")
     _check_rope(data)
     _check_dtype(data)
@@ -208,6 +209,20 @@ def _default(parameters: Mapping[str, inspect.Parameter], key: str) -> Any:
     """A config class's default for ``key`` (None where its __init__ takes it as ``**kwargs``)."""
     default = parameters[key].default if key in parameters else None
     return None if default is inspect.Parameter.empty else default
+
+
+def _check_probabilities(data: dict[str, Any]) -> None:
+    """Dropout rates (``attention_dropout``, GPT-2's ``resid_pdrop``, ...) and norm epsilons
+    (``rms_norm_eps``, ``layer_norm_epsilon``, ...): torch's dropout refuses a rate outside
+    [0, 1] only when training starts, and a negative epsilon turns a norm to NaN; both
+    planned without a word before."""
+    for key, value in data.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if (key.endswith("dropout") or key.endswith("_pdrop")) and not 0 <= value <= 1:
+            raise ConfigError(f"{key}: a dropout probability must be between 0 and 1, got {value!r}")
+        if key.endswith(("_eps", "_epsilon")) and value < 0:
+            raise ConfigError(f"{key}: a norm's epsilon must not be negative, got {value!r}")
 
 
 def _check_dtype(data: dict[str, Any]) -> None:

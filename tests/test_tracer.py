@@ -157,6 +157,10 @@ LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
         ({**LLAMA, "model_type": "qwen3_moe", "num_local_experts": 4, "num_experts_per_tok": 8},  # the alias
          "num_experts_per_tok", "8 exceeds num_local_experts 4"),
         ({**LLAMA, "model_type": "mixtral", "num_experts": 1}, "num_experts_per_tok", "2 exceeds num_experts 1"),
+        # planned before, and refused only when training started (dropout) or never (a NaN norm)
+        ({**LLAMA, "attention_dropout": 1.5}, "attention_dropout", "must be between 0 and 1, got 1.5"),
+        ({**GPT2, "resid_pdrop": -0.1}, "resid_pdrop", "must be between 0 and 1, got -0.1"),
+        ({**LLAMA, "rms_norm_eps": -1}, "rms_norm_eps", "must not be negative, got -1"),
     ],
 )
 def test_bad_configs_give_one_line_errors(config, field, says):
