@@ -291,7 +291,7 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
         raise ValueError(f"profile: {ctx.profile.name!r} prices a choice or a resharding at {worst:.3g} s "
                          "per step; a bandwidth or rate in it is out of range")
     prob += pulp.lpSum(objective)
-    mem = [v * (sum(c.state) / state_divisor + c.act_bytes)
+    mem = [v * _choice_bytes(c, state_divisor)
            for k, u in units.items() for v, c in zip(x[k], u.choices)]
     prob += pulp.lpSum(mem) <= memory_budget, "memory"
     for param, keys in (tied or {}).items():
@@ -317,8 +317,7 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
             # the leanest choice of each unit fits, so memory may not be what rules every
             # assignment out: solve again without the bound for the least memory any
             # consistent assignment needs (none: the other constraints conflict)
-            prob.get_constraint_by_name("memory").changeRHS(  # bound by every unit's largest choice
-                1 + sum(max(sum(c.state) / state_divisor + c.act_bytes for c in u.choices) for u in units.values()))
+            prob.get_constraint_by_name("memory").changeRHS(unbounded_memory(units, state_divisor))
             prob.setObjective(pulp.lpSum(mem))
             prob.solve(solver)
             if not all(max(v.value() or 0.0 for v in vs) > 0.5 for vs in x.values()):
@@ -387,7 +386,17 @@ def realised_resharding(ctx: Context, units: dict[str, Unit], tensor_map: dict[s
     return total, edges
 
 
+def _choice_bytes(c: Choice, state_divisor: int) -> float:
+    """Bytes per device a choice adds to the memory constraint."""
+    return sum(c.state) / state_divisor + c.act_bytes
+
+
 def min_memory(units: dict[str, Unit], state_divisor: int = 1) -> float:
     """Bytes per device of the leanest choice per unit (a lower bound of any layout)."""
-    return sum(min(sum(c.state) / state_divisor + c.act_bytes for c in u.choices)
-               for u in units.values() if u.choices)
+    return sum(min(_choice_bytes(c, state_divisor) for c in u.choices) for u in units.values() if u.choices)
+
+
+def unbounded_memory(units: dict[str, Unit], state_divisor: int = 1) -> float:
+    """A memory bound no layout reaches (the largest choice per unit, plus a byte): what
+    lifts the bound, since PuLP refuses an infinite one."""
+    return 1 + sum(max(_choice_bytes(c, state_divisor) for c in u.choices) for u in units.values() if u.choices)

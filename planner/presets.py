@@ -154,8 +154,7 @@ def _check(data: dict[str, Any]) -> None:
             # text_config may leave sizes this check requires to its class's defaults
             hint = (f"; its text_config is a {text['model_type']} config: give that object to plan the "
                     f"language model alone")
-            params = inspect.signature(CONFIG_MAPPING[text["model_type"]].__init__).parameters
-            missing = {k: _default(params, k) for k in _REQUIRED if k not in text}
+            missing = {k: _default(text["model_type"], k) for k in _REQUIRED if k not in text}
             if missing:
                 hint += (f", adding {', '.join(missing)}, which it leaves to transformers' defaults "
                          f"({', '.join(f'{k}={v!r}' for k, v in missing.items())})")
@@ -183,35 +182,39 @@ def _check(data: dict[str, Any]) -> None:
     kv = data.get("num_key_value_heads")
     if kv and heads % kv:
         raise ConfigError(f"num_key_value_heads: {kv} does not divide num_attention_heads {heads}")
-    # What transformers fills in for a key left out: its config's __init__ defaults, read
-    # without building one (starcoder2's default config warns that its own bos is not a token).
-    defaults = inspect.signature(CONFIG_MAPPING[model_type].__init__).parameters
     # the experts under either name: transformers maps each to the other (attribute_map)
     experts_key = next((k for k in ("num_local_experts", "num_experts") if k in data),
-                       "num_experts" if "num_experts" in defaults else "num_local_experts")
-    experts, routed = (data.get(key, _default(defaults, key)) for key in (experts_key, "num_experts_per_tok"))
+                       "num_experts" if "num_experts" in _init_parameters(model_type) else "num_local_experts")
+    experts, routed = (data.get(key, _default(model_type, key)) for key in (experts_key, "num_experts_per_tok"))
     if experts is not None and routed is not None and routed > experts:
         # torch.export's "k not in range for dimension" from the router's topk otherwise
         raise ConfigError(f"num_experts_per_tok: {routed} exceeds {experts_key} {experts}")
-    pad, vocab = data.get("pad_token_id", _default(defaults, "pad_token_id")), data["vocab_size"]
+    pad, vocab = data.get("pad_token_id", _default(model_type, "pad_token_id")), data["vocab_size"]
     if (model_type not in _NO_PADDING_ROW and isinstance(pad, int) and not isinstance(pad, bool)
             and not -vocab <= pad < vocab):
         # the embedding's padding row: torch.nn.Embedding asserts it (an AssertionError)
         given = "" if "pad_token_id" in data else f" ({model_type}'s default; set it, or null)"
         raise ConfigError(f"pad_token_id: {pad}{given} is not a token of the vocabulary (vocab_size {vocab})")
-    _check_probabilities(data)
+    _check_rates(data)
     _check_activation(data, "activation_function" if model_type == "gpt2" else "hidden_act")
     _check_rope(data)
     _check_dtype(data)
 
 
-def _default(parameters: Mapping[str, inspect.Parameter], key: str) -> Any:
+def _init_parameters(model_type: str) -> Mapping[str, inspect.Parameter]:
+    """The parameters of a model type's config class: what transformers fills in for a key
+    left out, read without building a default config (starcoder2's warns that its own bos
+    is not a token)."""
+    return inspect.signature(CONFIG_MAPPING[model_type].__init__).parameters
+
+
+def _default(model_type: str, key: str) -> Any:
     """A config class's default for ``key`` (None where its __init__ takes it as ``**kwargs``)."""
-    default = parameters[key].default if key in parameters else None
-    return None if default is inspect.Parameter.empty else default
+    parameter = _init_parameters(model_type).get(key)
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
 
-def _check_probabilities(data: dict[str, Any]) -> None:
+def _check_rates(data: dict[str, Any]) -> None:
     """Dropout rates (``attention_dropout``, GPT-2's ``resid_pdrop``, ...) and norm epsilons
     (``rms_norm_eps``, ``layer_norm_epsilon``, ...): torch's dropout refuses a rate outside
     [0, 1] only when training starts, and a negative epsilon turns a norm to NaN; both

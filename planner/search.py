@@ -40,7 +40,7 @@ from cost_model.step import (
     optimizer_time,
     partial_grad_time,
 )
-from planner.ilp import InfeasibleError, Solution, min_memory, solve, tensors
+from planner.ilp import InfeasibleError, Solution, min_memory, solve, tensors, unbounded_memory
 from planner.pipeline import (
     SCHEDULES,
     Stage,
@@ -289,9 +289,8 @@ def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dic
     tied = {f: ks for f, ks in tied.items() if len(ks) > 1}
     gathered = _gathered_estimate(ctx, graph, pp)
     budget = usable_bytes(ctx.profile) - gathered
-    if lift_memory:  # PuLP refuses an infinite bound: the largest choice per unit never binds
-        budget = max(budget, 1 + sum(max(sum(c.state) / pp + c.act_bytes for c in u.choices)
-                                     for u in units.values()))
+    if lift_memory:
+        budget = max(budget, unbounded_memory(units, pp))
     try:
         sol = solve(ctx, units, tmap, budget, tied, time_limit_s, state_divisor=pp)
     except InfeasibleError as e:
