@@ -230,9 +230,9 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
 
 def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last: Part,
               schedule: str, virtual: int, p2p_s: float, budget: float,
-              partials: Partials = ([], [], [])) -> list[Stage] | None:
+              partials: Partials = ([], [], []), by_memory: bool = False) -> list[Stage] | None:
     """Contiguous layer counts per stage minimising the slowest stage within ``budget``
-    bytes per device (DP)."""
+    bytes per device (DP); ``by_memory``: minimising the largest stage's memory instead."""
     inf = (math.inf, None)
     memo: dict[tuple[int, int], tuple[StageCost, float, float, float]] = {}
 
@@ -241,7 +241,7 @@ def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last
             memo[i, n] = _stage(ctx, pp, i, n, layer, first, last, schedule, virtual, p2p_s, partials)
         return memo[i, n]
 
-    # best[i][j]: (slowest stage time, counts) placing the first j layers on stages 0..i-1
+    # best[i][j]: (slowest stage time (or memory), counts) placing the first j layers on stages 0..i-1
     best = [[inf] * (layers + 1) for _ in range(pp + 1)]
     best[0][0] = (0.0, ())
     for i in range(pp):
@@ -256,7 +256,7 @@ def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last
                 cost, mem, _, _ = stage(i, n)
                 if mem > budget:
                     continue
-                t = cost.forward_compute_s + cost.backward_compute_s + cost.blocking_comm_s
+                t = mem if by_memory else cost.forward_compute_s + cost.backward_compute_s + cost.blocking_comm_s
                 cand = (max(best[i][j][0], t), best[i][j][1] + (n,))
                 if cand[0] < best[i + 1][j + n][0]:
                     best[i + 1][j + n] = cand
@@ -300,11 +300,13 @@ def schedule_blocker(layers: int, pp: int, microbatches: int, schedule: str, vir
 
 def best_pipeline(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution, pp: int,
                   schedules: tuple[tuple[str, int], ...] = SCHEDULES, budget: float | None = None,
-                  partial: Sequence[tuple[str, str, float, int]] = (),
+                  partial: Sequence[tuple[str, str, float, int]] = (), by_memory: bool = False,
                   ) -> tuple[list[Stage], str, int, StepBreakdown] | None:
     """The best (stages, schedule, virtual stages, step breakdown) over the ``schedules``
     the executor can run, each stage within ``budget`` bytes (default: the profile's usable
-    memory); ``partial``: the gradients left Partial (``planner.search._partial_grads``)."""
+    memory); ``partial``: the gradients left Partial (``planner.search._partial_grads``).
+    ``by_memory``: the leanest instead, the split and schedule whose largest stage needs
+    the least memory."""
     layer, first, last = split_parts(ctx, graph, units, sol)
     partials = split_partials(graph, partial)
     layers = graph.graph["layers"]
@@ -314,13 +316,14 @@ def best_pipeline(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: 
     for schedule, virtual in schedules:
         if schedule_blocker(layers, pp, ctx.microbatches, schedule, virtual):
             continue
-        stages = partition(ctx, layers, pp, layer, first, last, schedule, virtual, p2p, budget, partials)
+        stages = partition(ctx, layers, pp, layer, first, last, schedule, virtual, p2p, budget, partials, by_memory)
         if stages is None:
             continue
         b = compose_step([s.cost for s in stages], ctx.microbatches, schedule, virtual)
         # on a tie in time the leaner schedule (1F1B holds fewer micro-batches' activations
         # than GPipe, which won ties before: review)
         key = (float(f"{b.step_time_s:.9g}"), max(s.memory for s in stages))  # equal to 9 digits: a tie
+        key = key[::-1] if by_memory else key
         if best is None or key < best_key:
             best, best_key = (stages, schedule, virtual, b), key
     return best

@@ -303,10 +303,16 @@ def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dic
             raise InfeasibleError(f"the layout needs {binary_size(pred.memory.total, 1)} per device",
                                   need=pred.memory.total)
         return Candidate(ctx, units, sol, pred)
-    found = best_pipeline(ctx, graph, units, sol, pp, schedules, math.inf if lift_memory else None,
-                          _partial_grads(ctx, graph, units, sol, _placed(sol.choice.values())))
+    partial = _partial_grads(ctx, graph, units, sol, _placed(sol.choice.values()))
+    found = best_pipeline(ctx, graph, units, sol, pp, schedules, math.inf if lift_memory else None, partial)
     if found is None:
-        raise InfeasibleError(f"no split of {graph.graph['layers']} layers into {pp} stages fits")
+        # the ILP bounds an average stage (states / pp, one micro-batch of every layer's
+        # activations); priced one by one the stages can need more (docs/cost_model.md,
+        # "Pipeline memory in the ILP"): say what the leanest split of them needs
+        leanest = best_pipeline(ctx, graph, units, sol, pp, schedules, math.inf, partial, by_memory=True)
+        need = max(s.memory for s in leanest[0]) if leanest else None
+        raise InfeasibleError(f"no split of {graph.graph['layers']} layers into {pp} stages fits", need=need,
+                              kind="memory" if leanest else "conflict")
     stages, schedule, virtual, b = found
     heavy = max(stages, key=lambda st: st.memory)
     whole = [sum(c.state[i] for c in sol.choice.values()) for i in range(3)]

@@ -1088,6 +1088,40 @@ def test_a_layout_memory_rules_out_reports_what_its_leanest_needs(monkeypatch: p
     assert info.value.kind == "memory" and info.value.need > bound, (info.value.need, bound)
 
 
+def test_stages_that_outgrow_the_ilp_bound_report_what_their_leanest_split_needs() -> None:
+    """The ILP's pipeline bound (states / pp, one micro-batch of every layer's activations)
+    is an average stage's; the last stage holds the whole output head, so its stages can
+    need more than the bound let through.  No split then fits, and the error said no
+    more (``need`` None), so a search that found nothing reported the per-unit lower bound
+    as what the leanest layout needs: less than the device holds."""
+    import planner.search
+    from cost_model.memory import usable_bytes
+    from cost_model.profile import Profile, load_profile
+    from planner.ilp import InfeasibleError, _choice_bytes
+    from planner.tracer import trace
+
+    graph = trace(dict(PRESETS["llama-tiny"], vocab_size=4096, num_hidden_layers=4), 1, 64)
+    base = load_profile("cpu-gloo-local")
+    schedule = (("1f1b", 1),)
+
+    def solve(profile: Profile) -> planner.search.Candidate:
+        ctx = planner.search._context(profile, ("dp", "tp"), (1, 2), 16, 64, 4, False, "full", 2, 4, 4)
+        units, unit_of = planner.search._units(ctx, graph, None)
+        return planner.search._solve(ctx, graph, units, unit_of, None, 4, schedule)
+
+    free = solve(base)
+    bound = (sum(_choice_bytes(c, 4) for c in free.solution.choice.values())
+             + planner.search._gathered_estimate(free.ctx, graph, 4))
+    stages = free.prediction.memory.total
+    assert bound < stages, (bound, stages)  # the case: the bound lets through what the stages outgrow
+    usable = (bound + stages) / 2
+    tight = base.model_copy(update={"name": "tight",
+                                    "memory_bytes": int(usable * base.memory_bytes / usable_bytes(base))})
+    with pytest.raises(InfeasibleError, match="no split of 4 layers into 4 stages fits") as info:
+        solve(tight)
+    assert info.value.kind == "memory" and info.value.need is not None and info.value.need > usable_bytes(tight)
+
+
 def test_a_pipeline_layout_whose_stages_fit_is_not_refused() -> None:
     """The ILP bounds a pipeline's memory by states / pp plus one micro-batch of every
     layer's activations; the stages priced one by one need less.  hand_plan refused a
