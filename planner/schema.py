@@ -116,7 +116,11 @@ class DataParallelDim(_Strict):
 class PipelineStage(_Strict):
     index: int = Field(ge=0)
     modules: list[str] = Field(description="module FQNs this stage runs, in order")
-    predicted_time_s: float | None = Field(default=None, ge=0)
+    predicted_time_s: float | None = Field(
+        default=None, ge=0,
+        description="forward + backward compute and blocking communication of one micro-batch on this "
+                    "stage; with virtual stages, its pp rank's time divided by virtual_stages (the split "
+                    "balances ranks, so a rank's virtual stages show the same time)")
 
 
 class Pipeline(_Strict):
