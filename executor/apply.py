@@ -61,7 +61,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from cost_model.profile import problem_lines
 from executor import deferred_init, local_regions, loss, outputs, pipeline, rng
 from executor.accumulate import accumulate
-from executor.data import DataParallelBatch
+from executor.data import DataParallelBatch, SameBatch
 from planner.schema import Fingerprint, MeshRoles, ModuleLayout, Plan, pattern_matches, shard_dim
 
 # FSDP2 only replicates as part of HSDP (a replicate dim and a shard dim).  A plan with
@@ -184,7 +184,7 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
         _fully_shard(model, mesh, layout, plan.mesh.names)
     # After fully_shard: FSDP2's root post-forward hook must see the local outputs, since
     # reading a lazily globalised field would gather it (executor.outputs).
-    _register_root_hooks(model, batch, model_mesh is not None, plan.activation_checkpointing)
+    _register_root_hooks(model, batch, model_mesh is not None, plan.activation_checkpointing, SameBatch(mesh))
     if parts > 1:  # after fully_shard, whose class the model's becomes a subclass of
         accumulate(model, parts, batch)
     _mark_replaced(before, model)
@@ -744,8 +744,9 @@ def _counts_tokens(model: nn.Module) -> bool:
 
 
 def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tensor_parallel: bool,
-                         checkpointing: str) -> None:
-    """Root: slice the global batch, then (after forward) hand back plain global tensors,
+                         checkpointing: str, same_batch: SameBatch | None = None) -> None:
+    """Root: check that the ranks were given the same batch (``same_batch``, on N
+    devices), slice it, then (after forward) hand back plain global tensors,
     each when the loop first reads it (executor.outputs).  A Hugging Face model is called
     with ``use_cache=False`` unless the loop asks for a cache.
 
@@ -777,6 +778,8 @@ def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tens
             elif kwargs["use_cache"] and no_cache and (tensor_parallel or (mod.training and torch.is_grad_enabled())):
                 raise ValueError(f"use_cache=True: a key/value cache is not supported under a {no_cache}; "
                                  "pass use_cache=False (to generate(), which turns the cache on by default, too)")
+        if same_batch is not None:
+            same_batch(args, kwargs)
         if batch is not None:
             args, kwargs = batch.slice(args, kwargs)
         if tensor_parallel:

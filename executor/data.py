@@ -106,6 +106,61 @@ class DataParallelBatch:
         return t
 
 
+def comm_device(device_type: str) -> torch.device:
+    """The device a mesh of ``device_type`` communicates from (this process's CUDA device)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+
+
+class SameBatch:
+    """On the model's first call: that every rank of the mesh was given the same batch.
+
+    apply's contract is that every rank passes the global batch and the executor takes
+    each rank's slice.  A loop written for DDP passes each rank its own (a
+    ``DistributedSampler``, a loader shuffled per rank): that trained on the wrong rows
+    without a word (each rank slicing its own batch again, tensor-parallel ranks
+    computing on different inputs), and under a pipeline whose ranks' shapes differed it
+    ended in gloo's abort.  The check compares a fingerprint of the call's tensors (how
+    many, their shapes, and the integer ones' values, plain and position-weighted;
+    floating ones by shape only) as its maximum and minimum over the ranks, reduced
+    along each mesh dim in turn, so every rank reaches the same verdict.  Once: checking
+    every step would stall each step on the host."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self._groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
+        self._device = comm_device(mesh.device_type)
+        self._checked = not self._groups
+
+    def __call__(self, args: tuple, kwargs: dict) -> None:
+        if self._checked:
+            return
+        self._checked = True
+        mine = _fingerprint(_tensors((args, kwargs)), self._device)
+        both = torch.cat([mine, -mine])
+        for group in self._groups:
+            dist.all_reduce(both, dist.ReduceOp.MAX, group=group)
+        high, low = both[:5], -both[5:]
+        if not torch.equal(high, low):
+            what = "shapes" if not torch.equal(high[:3], low[:3]) else "values"
+            raise BatchError(
+                f"batch: the ranks were given batches of different {what}; every rank passes the same "
+                "global batch and apply slices it per data-parallel rank (a DistributedSampler, or a "
+                "loader shuffled per rank, gives each rank its own: drop it; docs/executor.md, Data)")
+
+
+def _fingerprint(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """int64 [tensors, elements, shapes' hash, values' sum, position-weighted sum]."""
+    count = numel = shapes = 0
+    values = torch.zeros(2, dtype=torch.int64, device=device)
+    for t in tensors:
+        count, numel = count + 1, numel + t.numel()
+        shapes = (shapes * 31 + hash(tuple(t.shape))) % 2**61  # an int tuple's hash is the same in every process
+        if not (t.is_floating_point() or t.is_complex() or isinstance(t, DTensor)):
+            v = t.detach().reshape(-1).to(device, torch.int64)
+            weights = torch.arange(v.numel(), device=device) % 1021 + 1
+            values += torch.stack([v.sum(), (v * weights).sum()])
+    return torch.cat([torch.tensor([count, numel, shapes], dtype=torch.int64, device=device), values])
+
+
 def batch_rows_of(args: tuple, kwargs: dict) -> int:
     """The batch's rows: dim 0 of the model's first tensor input."""
     first = next((t for t in _tensors((args, kwargs))), None)

@@ -61,7 +61,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from executor import loss, rng
 from executor.accumulate import StepGradients, loss_only
-from executor.data import BatchError, DataParallelBatch, counted_tokens
+from executor.data import BatchError, DataParallelBatch, SameBatch, comm_device, counted_tokens
 from planner.schema import Plan
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -496,8 +496,8 @@ def pipelined(model: nn.Module, plan: Plan, cuts: Cuts, mesh: DeviceMesh,
         prepare(replica)  # first: the stage's hooks run before and after the executor's
         replica.forward = _stage_forward(replica, cuts.stages[s], first=s == 0, last=s == last,
                                          logits=logits if s == last else None)
-    runner = _Runner(model, plan, cuts, replicas, mesh.get_group(spec.dim), batch, mesh.device_type,
-                     logits)
+    runner = _Runner(model, plan, cuts, replicas, mesh.get_group(spec.dim), batch, SameBatch(mesh),
+                     comm_device(mesh.device_type), logits)
     model.forward = runner.step
     return model
 
@@ -506,12 +506,11 @@ class _Runner:
     """One pipelined training step per call of the user's model."""
 
     def __init__(self, model: nn.Module, plan: Plan, cuts: Cuts, replicas: dict[int, nn.Module],
-                 group: dist.ProcessGroup, batch: DataParallelBatch | None, device_type: str,
-                 logits: _ShardedLogits | None) -> None:
+                 group: dist.ProcessGroup, batch: DataParallelBatch | None, same_batch: SameBatch,
+                 device: torch.device, logits: _ShardedLogits | None) -> None:
         self.model, self.cuts, self.replicas, self.group, self.batch = model, cuts, replicas, group, batch
+        self.same_batch, self.device = same_batch, device
         self.schedule_name, self.microbatches = plan.pipeline.schedule, plan.microbatches
-        self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
-            else torch.device(device_type)
         loss_function, vocab = loss.vocab_parallel(model.loss_function), model.config.vocab_size
 
         def loss_fn(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -538,6 +537,7 @@ class _Runner:
     def step(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
              **kwargs: Any) -> CausalLMOutputWithPast:
         self._refuse(input_ids, labels, kwargs)
+        self.same_batch((), {"input_ids": input_ids, "labels": labels})
         self._items = counted_tokens({"labels": labels}) / (self.batch.size if self.batch is not None else 1)
         if self.batch is not None:
             (), sliced = self.batch.slice((), {"input_ids": input_ids, "labels": labels})

@@ -551,3 +551,38 @@ def test_position_embeddings_and_ties_across_stages_are_refused(plans: dict[str,
         executor.apply(plan, build_model(load_config("gpt2-tiny"), device="meta"))
     assert "pipeline.stages[0].modules: transformer.wpe holds parameters before the first layer" in str(e.value)
     assert "lm_head.weight: tied to transformer.wte.weight (stage 0) but in stage 1" in str(e.value)
+
+
+def batches_per_rank(plans: dict[str, str]) -> dict[str, str]:
+    """Each rank passes its own batch, as a loop written for DDP does (a DistributedSampler):
+    other token ids, or fewer rows on rank 1."""
+    rank = torch.distributed.get_rank()
+    out = {}
+    for name, plan_json in plans.items():
+        for what, ids in (("values", torch.full((BATCH, SEQ), rank)),
+                          ("shapes", torch.zeros(BATCH - 2 * rank, SEQ, dtype=torch.long))):
+            executor.rng.manual_seed(SEED)
+            model = executor.apply(Plan.from_json(plan_json), build())
+            try:
+                model(input_ids=ids, labels=ids).loss.backward()
+                out[f"{name} {what}"] = "no error"
+            except executor.BatchError as e:
+                out[f"{name} {what}"] = str(e)
+    executor.rng.deactivate()
+    return out
+
+
+def test_ranks_given_different_batches_are_told_so() -> None:
+    """A loop that gives each rank its own batch trained on the wrong rows without a word
+    (data-parallel ranks slicing their own batch again, tensor-parallel ranks computing
+    on different inputs), and a pipeline whose ranks' shapes differed died in gloo's
+    abort.  Every rank now raises the same BatchError at the first call."""
+    layouts = {"fsdp": {"dp": 2, "fsdp": True}, "tp": {"tp": 2}, "pp": {"pp": 2, "microbatches": 2}}
+    plans = {name: planner.hand_plan(CONFIG, 2, "cpu-gloo-local", batch_size=BATCH, seq_len=SEQ,
+                                     **layout).to_json() for name, layout in layouts.items()}
+    results = run_on_ranks(2, batches_per_rank, plans)
+    assert results[0] == results[1]
+    for key, message in results[0].items():
+        what = key.split()[1]
+        assert message.startswith(f"batch: the ranks were given batches of different {what}; every rank "
+                                  "passes the same global batch"), (key, message)
