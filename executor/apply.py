@@ -760,8 +760,12 @@ def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tens
     # than its forward (selective checkpointing then fails), and a layer checked for local
     # shards likewise (executor.local_regions).  Under tensor parallelism the cache cannot
     # even start: its plain empty tensor does not join DTensor keys (an IndexError).
-    params = list(inspect.signature(model.forward).parameters)
+    signature = inspect.signature(model.forward).parameters
+    params = list(signature)
     cache_at = params.index("use_cache") if "use_cache" in params else None
+    if (cache_at is None and getattr(getattr(model, "config", None), "use_cache", None) is not None
+            and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values())):
+        cache_at = len(params)  # GraniteMoE's causal LM takes it through **kwargs only
     no_cache = ("tensor-parallel plan (Hugging Face's cache cannot hold DTensors)" if tensor_parallel
                 else f"plan that recomputes layers (activation_checkpointing {checkpointing!r}: a "
                 "recomputed layer would append to the cache again)" if checkpointing != "none" else None)

@@ -26,7 +26,14 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 # pipeline parallelism (tests/test_executor.py, test_pipeline.py, test_architectures.py).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3", "gemma", "gemma3_text",
                          "olmo", "granite", "starcoder2", "gpt_neox", "phi", "phi3", "cohere", "stablelm",
-                         "olmo2", "qwen3_moe")
+                         "olmo2", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gemma2", "glm", "glm4",
+                         "helium", "nemotron", "exaone4", "smollm3", "ministral")
+# Model types transformers builds only with eager attention: Gemma 2's logit soft-capping
+# is refused by SDPA (its ``_supports_sdpa`` is False).
+_EAGER_ATTENTION = ("gemma2",)
+# Model types whose modelling code reads head_dim as given: a null one is not derived
+# (Ministral's attention computes ``None ** -0.5``).
+_HEAD_DIM_GIVEN = ("ministral",)
 
 
 class ConfigError(ValueError):
@@ -176,6 +183,9 @@ def _check(data: dict[str, Any]) -> None:
         if value > limit:
             raise ConfigError(f"{name}: {value} is beyond the sanity limit {limit}")
     heads = data["num_attention_heads"]
+    if model_type in _HEAD_DIM_GIVEN and data.get("head_dim") is None:
+        raise ConfigError(f"head_dim: missing from the {model_type} config; transformers' {model_type} model does "
+                          "not derive it from hidden_size / num_attention_heads")
     if data.get("head_dim") is None and data["hidden_size"] % heads:
         raise ConfigError(f"{written.get('hidden_size', 'hidden_size')}: {data['hidden_size']} is not "
                           f"divisible by {written.get('num_attention_heads', 'num_attention_heads')} {heads}")
@@ -378,7 +388,7 @@ def _culprit(config: PretrainedConfig) -> str | None:
 def build_model(config: PretrainedConfig, device: str | torch.device = "meta",
                 dtype: torch.dtype = torch.float32) -> nn.Module:
     """The unchanged Hugging Face causal LM for ``config``; never runs remote code."""
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "eager" if config.model_type in _EAGER_ATTENTION else "sdpa"
     try:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=dtype)

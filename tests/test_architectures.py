@@ -35,6 +35,9 @@ PP_TP = {"pp": 2, "tp": 2, "sp": True, "microbatches": 2}
 PP_DP = {"pp": 2, "dp": 2, "microbatches": 2}
 GRANITE = {"embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.22,
            "attention_multiplier": 0.0078125}
+GEMMA2 = {"head_dim": 8, "sliding_window": 8, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+          "query_pre_attn_scalar": 8}
+TOKENS = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None}  # the defaults lie outside the tiny vocabulary
 CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "qwen3": ("qwen3", {}, TP_SP_FSDP),  # q and k normed per head
     "gemma": ("gemma", {"pad_token_id": 100}, TP_SP_FSDP),  # tied; the padding row in rank 1's vocab shard
@@ -56,6 +59,17 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "olmo2": ("olmo2", {}, TP_SP_FSDP),
     "olmo2-no-dropout": ("olmo2", {"attention_dropout": 0.0}, TP_SP_FSDP),  # DTensor's own SDPA
     "olmo2-ddp": ("olmo2", {}, {"dp": 2, "tp": 2}),  # replicate-only dp: the dropout draws on a 3-D mesh
+    # eager attention (SDPA refuses its soft-capping), local and global layers
+    "gemma2": ("gemma2", {**GEMMA2}, TP_SP_FSDP),
+    "gemma2-pp": ("gemma2", {**GEMMA2, "tie_word_embeddings": False}, PP_TP),  # the logits' soft-cap after the layers
+    "glm": ("glm", {"head_dim": 8, "partial_rotary_factor": 0.5, **TOKENS}, TP_SP_FSDP),  # fused gate_up, interleaved rotary
+    "glm4": ("glm4", {"head_dim": 8, "partial_rotary_factor": 0.5, **TOKENS}, TP_SP_FSDP),  # + post-attention/MLP norms
+    "nemotron": ("nemotron", {"head_dim": 8, "partial_rotary_factor": 0.5, **TOKENS}, TP_SP_FSDP),  # relu^2, LayerNorm1P
+    "helium": ("helium", {"head_dim": 8, **TOKENS}, TP_SP_FSDP),
+    "exaone4": ("exaone4", {"head_dim": 8, "sliding_window": 8, "sliding_window_pattern": 2, **TOKENS},
+                TP_SP_FSDP),  # q/k normed per head, local and global layers
+    "smollm3": ("smollm3", {"no_rope_layer_interval": 2, **TOKENS}, TP_SP_FSDP),  # layers without rotary
+    "ministral": ("ministral", {"head_dim": 8, "sliding_window": 8, **TOKENS}, TP_SP_FSDP),
 }
 
 
@@ -104,7 +118,7 @@ def runs() -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 def test_every_model_type_is_covered() -> None:
     # the others in tests/test_executor.py (the MoE ones in bf16) and test_pipeline.py
-    others = {"llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3_moe"}
+    others = {"llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"}
     assert {model_type for model_type, _, _ in CASES.values()} | others == set(SUPPORTED_MODEL_TYPES)
 
 

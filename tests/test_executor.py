@@ -427,6 +427,16 @@ MIXTRAL = {**PRESETS["llama-tiny"], "model_type": "mixtral", "num_local_experts"
 # the layers differ and the whole model is traced; q/k normed per head
 QWEN3_MOE = {**PRESETS["llama-tiny"], "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 4,
              "moe_intermediate_size": 32, "head_dim": 8, "norm_topk_prob": True, "mlp_only_layers": [0]}
+# Qwen2-MoE: a shared expert beside the routed ones, scaled by its own sigmoid gate
+QWEN2_MOE = {**PRESETS["llama-tiny"], "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 4,
+             "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "norm_topk_prob": False}
+# OLMoE: q and k normed over all heads
+OLMOE = {**PRESETS["llama-tiny"], "model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 4,
+         "intermediate_size": 32, "eos_token_id": 1, "pad_token_id": None}
+# GraniteMoE: Granite's multipliers; its forward takes use_cache through **kwargs only
+GRANITEMOE = {**PRESETS["llama-tiny"], "model_type": "granitemoe", "num_local_experts": 4, "num_experts_per_tok": 4,
+              "intermediate_size": 32, "embedding_multiplier": 12.0, "logits_scaling": 8.0,
+              "residual_multiplier": 0.22, "attention_multiplier": 0.0078125}
 
 
 def mixtral_steps(plan_json: str | None, config: dict[str, Any] = MIXTRAL) -> dict[str, Any]:
@@ -450,15 +460,16 @@ def mixtral_steps(plan_json: str | None, config: dict[str, Any] = MIXTRAL) -> di
     return {"losses": losses, "grads": grads, "held": held}
 
 
-@pytest.mark.parametrize("config", [MIXTRAL, QWEN3_MOE], ids=["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("config", [MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, GRANITEMOE],
+                         ids=["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_mixtral_experts_column_then_row_parallel_match_single_device(config: dict[str, Any]) -> None:
     """The hand layout's experts (gate_up_proj split by its 2 x ffn outputs, so the gate
     and up halves land on different ranks before the model's ``chunk(2)``; down_proj by
     its ffn inputs, a pending sum out) train as on one device."""
     plan = planner.hand_plan(config, devices=2, profile="cpu-gloo-local", tp=2, batch_size=BATCH,
                              seq_len=SEQ)
-    assert {p.fqn: p.placements for p in plan.parameters if ".experts." in p.fqn} == {
-        "model.layers.*.mlp.experts.gate_up_proj": ["R", "S(1)"], "model.layers.*.mlp.experts.down_proj": ["R", "S(2)"]}
+    assert {p.fqn.rsplit(".", 1)[-1]: p.placements for p in plan.parameters if ".experts." in p.fqn} == {
+        "gate_up_proj": ["R", "S(1)"], "down_proj": ["R", "S(2)"]}
     try:
         ref = mixtral_steps(None, config)
     finally:

@@ -86,6 +86,9 @@ def test_llama3_8b_training_flops_match_6nt_plus_attention():
     ({"model_type": "mistral", "layer_types": ["sliding_attention", "full_attention"] * 6}, 1.0),
     ({"model_type": "gemma3_text", "sliding_window": 16, "head_dim": 8}, 10 / 12),  # five local to one global
     ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 6}, 0.5),  # layers 6 to 11
+    # the types added in session 24 that pick each layer's mask by its layer_types entry
+    *[({"model_type": t, "head_dim": 8, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None,
+        "layer_types": ["sliding_attention", "full_attention"] * 6}, 0.5) for t in ("ministral", "exaone4")],
 ])
 def test_sliding_window_attention_is_priced_as_the_masked_kernel_runs_it(config: dict, sliding: float) -> None:
     """From a sequence as long as the window, Hugging Face hands SDPA the window's mask and
@@ -161,6 +164,8 @@ LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
         ({**LLAMA, "attention_dropout": 1.5}, "attention_dropout", "must be between 0 and 1, got 1.5"),
         ({**GPT2, "resid_pdrop": -0.1}, "resid_pdrop", "must be between 0 and 1, got -0.1"),
         ({**LLAMA, "rms_norm_eps": -1}, "rms_norm_eps", "must not be negative, got -1"),
+        # transformers' Ministral reads head_dim as given: None ** -0.5, "cannot build" before
+        ({**LLAMA, "model_type": "ministral"}, "head_dim", "missing from the ministral config"),
     ],
 )
 def test_bad_configs_give_one_line_errors(config, field, says):
