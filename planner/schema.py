@@ -197,7 +197,9 @@ class SolverStats(_Strict):
     objective: float
     gap: float | None = Field(default=None, description="relative optimality gap, 0 = optimal")
     unsupported_ops: dict[str, int] = Field(
-        default_factory=dict, description="aten ops with no sharding rule, replicated; count"
+        default_factory=dict,
+        description="aten ops with no sharding rule of their own, priced as element-wise ops in their "
+                    "segment's layout (no resharding of their own); count"
     )
     alternatives: list[Alternative] = Field(default_factory=list)
 

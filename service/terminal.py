@@ -127,7 +127,7 @@ def render_plan(plan: Plan) -> str:
                f"solve {seconds(s.solve_time_s)}, total {seconds(s.total_time_s)}, objective {s.objective:.6g}"
                + (f", gap {s.gap:.3g}" if s.gap is not None else ""))
     if s.unsupported_ops:
-        out.append("replicated (no sharding rule): " + ", ".join(f"{k} x{v}" for k, v in s.unsupported_ops.items()))
+        out.append("no sharding rule, priced as element-wise in their segment's layout: " + ", ".join(f"{k} x{v}" for k, v in s.unsupported_ops.items()))
     if s.alternatives:
         out.append(table(["", "alternative mesh", "step time", "peak memory", "fits", "note"], [
             ("*" if a.mesh == chosen and a.step_time_s == plan.prediction.time.step_time_s else "", " x ".join(f"{k}={v}" for k, v in a.mesh.items()),

@@ -279,7 +279,7 @@ function solverSection(plan) {
   return section("Solver", el("div", { class: "facts" }, facts.map(([k, v]) => el("span", {}, `${k} `, el("b", {}, v)))),
     skipped ? el("p", { id: "time-limited" }, `The time limit ended the search: ${skipped} of ` +
       `${s.alternatives.length} alternatives were not tried (marked "skipped" above).`) : null,
-    unsupported.length ? el("p", {}, "Ops with no sharding rule (replicated): ",
+    unsupported.length ? el("p", {}, "Ops with no sharding rule of their own (priced as element-wise in their segment's layout): ",
       el("span", { class: "mono" }, unsupported.map(([op, n]) => `${op} ×${n}`).join(", "))) : null);
 }
 
