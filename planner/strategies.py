@@ -49,6 +49,10 @@ ANCHOR_OPS = {"linear", "addmm", "embedding", "scaled_dot_product_attention", "g
 REDUCING_OPS = {"mean", "sum", "var", "layer_norm", "native_layer_norm", "softmax", "_softmax",
                 "log_softmax", "_log_softmax", "cross_entropy_loss",
                 "topk", "sort", "cumsum", "histc", "rms_norm", "amax", "max", "argmax", "norm"}
+# Products of two activations (Gemma 2's eager attention: scores = q @ k^T, then
+# probabilities @ v) contract over the keys: split by sequence, each rank needs every
+# key, which DTensor gathers, so a segment holding one is not split by sequence.
+ACTIVATION_PRODUCTS = {"matmul", "bmm", "baddbmm"}
 # The loss runs replicated or, on vocabulary-sharded logits (a column-parallel head's),
 # on the shards (H): executor.loss, two all-reduces per token (_vocab_parallel_loss_s).
 LOSS_OPS = {"cross_entropy_loss"}
@@ -562,6 +566,8 @@ def segment_choices(ctx: Context, graph: nx.DiGraph, nodes: Sequence[str],
         if "P" in layout and not only_views:
             continue
         if "H" in layout and any(_crosses_features(ctx, d) for d, _ in data):
+            continue
+        if "Q" in layout and shorts & ACTIVATION_PRODUCTS:
             continue
         if shorts & LOSS_OPS and any(layout[i] not in ("R", "H") for i in ctx.free_dims):
             continue

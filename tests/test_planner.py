@@ -545,6 +545,24 @@ def test_a_per_head_norm_keeps_the_heads_sharded_and_a_hidden_norm_does_not() ->
     assert split and all("H" not in {c.name for c in u.choices} for u in split)
 
 
+def test_eager_attention_is_not_split_by_sequence() -> None:
+    """Gemma 2's eager attention multiplies q by every key: its segment split by sequence
+    (every tensor's sequence dim, the keys' too) was priced without the gather of keys
+    DTensor performs; it keeps the batch, heads and replicated layouts."""
+    from cost_model.profile import load_profile
+    from planner.search import _context
+    from planner.strategies import build_units
+    from planner.tracer import trace
+
+    graph = trace({**PRESETS["llama-tiny"], "model_type": "gemma2", "head_dim": 8}, 1, 16)
+    units, _ = build_units(_context(load_profile("cpu-gloo-local"), ("tp",), (2,), 8, 16, 1, False, "none", 2),
+                           graph)
+    scores = [u for u in units.values() if u.kind == "segment" and any(
+        graph.nodes[n]["short"] == "matmul" for n in u.nodes)]
+    assert scores and all({c.name for c in u.choices} == {"B", "H", "R"} for u in scores), \
+        [sorted(c.name for c in u.choices) for u in scores]
+
+
 def _allocated_bytes() -> int | None:
     """Bytes glibc's malloc has handed out and not had back (heap and mmapped chunks), or
     None where that cannot be read (not glibc >= 2.33, or another allocator preloaded)."""
