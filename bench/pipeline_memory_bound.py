@@ -34,9 +34,9 @@ def main() -> None:
                 if devices % (pp * tp) or divisor % tp or pp > graph.graph["layers"]:
                     continue
                 dp = devices // (pp * tp)
+                if (batch // dp) % (2 * pp):
+                    continue
                 for ckpt in ("none", "full"):
-                    if (batch // dp) % (2 * pp):
-                        continue
                     fixed = {"fsdp": dp > 1, "checkpointing": ckpt, "microbatches": 2 * pp,
                              "schedules": (("1f1b", 1),)}
                     best = _search(graph, prof, devices, batch, seq, [(("pp", "dp", "tp"), (pp, dp, tp))],

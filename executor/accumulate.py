@@ -37,7 +37,14 @@ from torch.distributed.tensor import DTensor
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from executor import rng
-from executor.data import BatchError, DataParallelBatch, batch_rows_of, counted_tokens, narrow_rows
+from executor.data import (
+    BatchError,
+    DataParallelBatch,
+    SameBatch,
+    batch_rows_of,
+    counted_tokens,
+    narrow_rows,
+)
 
 
 class StepGradients:
@@ -123,16 +130,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def accumulate(model: nn.Module, microbatches: int, batch: DataParallelBatch | None) -> None:
+def accumulate(model: nn.Module, microbatches: int, batch: DataParallelBatch | None,
+               same_batch: SameBatch | None = None) -> None:
     """Make ``model``'s call run a training call with ``labels=`` as ``microbatches`` parts
     (the model is a Hugging Face causal LM, whose loss takes ``num_items_in_batch``).
+    ``same_batch`` checks the whole batch first, before a rank can refuse it alone (the
+    root hook's check would see only the first part, after every rank split its own).
 
     Its class becomes a subclass whose ``__call__`` does so around the unchanged call, so
     every part runs through the model's hooks (the data-parallel slice, FSDP2's gathers)
     as a whole call does.  Other calls (evaluation, ``torch.no_grad``, no labels) run the
     batch whole.  The subclass is one per model class and the state lives on the model
     (its parameters, not the model: no reference cycle), so a deep copy has its own."""
-    model.__dict__[_PARTS] = _Parts(list(model.parameters()), microbatches, batch)
+    model.__dict__[_PARTS] = _Parts(list(model.parameters()), microbatches, batch, same_batch)
     model.__class__ = _accumulating(type(model))
 
 
@@ -149,12 +159,15 @@ def _accumulating(base: type[nn.Module]) -> type[nn.Module]:
 
 
 class _Parts:
-    def __init__(self, params: list[torch.Tensor], microbatches: int, batch: DataParallelBatch | None) -> None:
-        self.microbatches, self.batch = microbatches, batch
+    def __init__(self, params: list[torch.Tensor], microbatches: int, batch: DataParallelBatch | None,
+                 same_batch: SameBatch | None) -> None:
+        self.microbatches, self.batch, self.same_batch = microbatches, batch, same_batch
         self.grads = StepGradients(params, RuntimeError)
         self.warned: set[str] = set()  # the reasons warned about, once each
 
     def __call__(self, model: nn.Module, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self.same_batch is not None:
+            self.same_batch(args, kwargs)
         why = self._whole(model, args, kwargs)
         if why is not None:
             if why and why not in self.warned:

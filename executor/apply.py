@@ -57,6 +57,7 @@ from torch.distributed.utils import _sync_module_states  # DDP's broadcast of mo
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import SUPPORTED_NODES, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from transformers import PreTrainedModel
 
 from cost_model.profile import problem_lines
 from executor import deferred_init, local_regions, loss, outputs, pipeline, rng
@@ -184,9 +185,10 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
         _fully_shard(model, mesh, layout, plan.mesh.names)
     # After fully_shard: FSDP2's root post-forward hook must see the local outputs, since
     # reading a lazily globalised field would gather it (executor.outputs).
-    _register_root_hooks(model, batch, model_mesh is not None, plan.activation_checkpointing, SameBatch(mesh))
+    same_batch = SameBatch(mesh)
+    _register_root_hooks(model, batch, model_mesh is not None, plan.activation_checkpointing, same_batch)
     if parts > 1:  # after fully_shard, whose class the model's becomes a subclass of
-        accumulate(model, parts, batch)
+        accumulate(model, parts, batch, same_batch)
     _mark_replaced(before, model)
     return model
 
@@ -763,9 +765,9 @@ def _register_root_hooks(model: nn.Module, batch: DataParallelBatch | None, tens
     signature = inspect.signature(model.forward).parameters
     params = list(signature)
     cache_at = params.index("use_cache") if "use_cache" in params else None
-    if (cache_at is None and getattr(getattr(model, "config", None), "use_cache", None) is not None
+    if (cache_at is None and isinstance(model, PreTrainedModel)
             and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values())):
-        cache_at = len(params)  # GraniteMoE's causal LM takes it through **kwargs only
+        cache_at = len(params)  # GraniteMoE's causal LM takes it through **kwargs only, never positionally
     no_cache = ("tensor-parallel plan (Hugging Face's cache cannot hold DTensors)" if tensor_parallel
                 else f"plan that recomputes layers (activation_checkpointing {checkpointing!r}: a "
                 "recomputed layer would append to the cache again)" if checkpointing != "none" else None)

@@ -135,16 +135,19 @@ class SameBatch:
             return
         self._checked = True
         mine = _fingerprint(_tensors((args, kwargs)), self._device)
-        both = torch.cat([mine, -mine])
+        both = torch.cat([mine, ~mine])  # max(~x) = ~min(x), with no overflow as -x has
         for group in self._groups:
             dist.all_reduce(both, dist.ReduceOp.MAX, group=group)
-        high, low = both[:5], -both[5:]
+        high, low = both[:len(mine)], ~both[len(mine):]
         if not torch.equal(high, low):
-            what = "shapes" if not torch.equal(high[:3], low[:3]) else "values"
+            what = "shapes" if not torch.equal(high[:_SHAPE_FIELDS], low[:_SHAPE_FIELDS]) else "values"
             raise BatchError(
                 f"batch: the ranks were given batches of different {what}; every rank passes the same "
                 "global batch and apply slices it per data-parallel rank (a DistributedSampler, or a "
                 "loader shuffled per rank, gives each rank its own: drop it; docs/executor.md, Data)")
+
+
+_SHAPE_FIELDS = 3  # the fingerprint's first fields: tensors, elements, shapes' hash
 
 
 def _fingerprint(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -588,11 +588,11 @@ def _price_sliding_windows(graph: nx.DiGraph, config: PretrainedConfig, seq_len:
     then passes SDPA the window's mask (``_ignore_causal_mask_sdpa``), and the kernels that
     take a mask compute every block; none skips the blocks outside the window.  Which
     layers slide: per ``layer_types`` for the models that pick each layer's mask by it
-    (Gemma 3's five local to one global, Qwen2/3's from ``max_window_layers``; Gemma 2,
-    Qwen2-MoE, EXAONE 4, SmolLM3, Ministral), else every layer once ``sliding_window`` is
-    set (Mistral, Mixtral, Phi-3, Starcoder2, Qwen3-MoE build one mask for all).  Gemma 2
-    runs eager attention, traced as matmuls that compute every score, so nothing here
-    applies to it.
+    (Gemma 3's five local to one global, Qwen2/3's from ``max_window_layers``; Qwen2-MoE,
+    EXAONE 4, SmolLM3, Ministral), else every layer once ``sliding_window`` is set
+    (Mistral, Mixtral, Phi-3, Starcoder2, Qwen3-MoE build one mask for all).  Gemma 2 picks
+    masks by ``layer_types`` too, but runs eager attention, traced as matmuls that compute
+    every score: no SDPA node here to price.
     A traced layer standing for several real ones takes their average."""
     window = getattr(config, "sliding_window", None)
     if not isinstance(window, int) or seq_len < window:

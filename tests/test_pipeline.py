@@ -576,8 +576,11 @@ def test_ranks_given_different_batches_are_told_so() -> None:
     """A loop that gives each rank its own batch trained on the wrong rows without a word
     (data-parallel ranks slicing their own batch again, tensor-parallel ranks computing
     on different inputs), and a pipeline whose ranks' shapes differed died in gloo's
-    abort.  Every rank now raises the same BatchError at the first call."""
-    layouts = {"fsdp": {"dp": 2, "fsdp": True}, "tp": {"tp": 2}, "pp": {"pp": 2, "microbatches": 2}}
+    abort.  Every rank now raises the same BatchError at the first call, with micro-batches
+    too, before a rank whose batch does not split into them refuses it alone (review: the
+    other rank waited in the check's all-reduce)."""
+    layouts = {"fsdp": {"dp": 2, "fsdp": True}, "tp": {"tp": 2}, "pp": {"pp": 2, "microbatches": 2},
+               "parts": {"dp": 2, "fsdp": True, "microbatches": 2}}
     plans = {name: planner.hand_plan(CONFIG, 2, "cpu-gloo-local", batch_size=BATCH, seq_len=SEQ,
                                      **layout).to_json() for name, layout in layouts.items()}
     results = run_on_ranks(2, batches_per_rank, plans)
