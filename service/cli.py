@@ -221,14 +221,15 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def cmd_estimate(args: argparse.Namespace) -> None:
     estimate = _require("planner", "estimate")
     batch, seq = _workload(args)
+    microbatches = args.microbatches or args.pp
     pred = estimate(args.model, args.devices, args.profile, dp=args.dp, tp=args.tp, pp=args.pp,
-                    fsdp=args.fsdp, sp=args.sp, microbatches=args.microbatches,
+                    fsdp=args.fsdp, sp=args.sp, microbatches=microbatches,
                     checkpointing=args.checkpointing, schedule=args.schedule,
                     virtual_stages=args.virtual_stages, batch_size=batch, seq_len=seq,
                     require_fit=False)  # a layout that does not fit is reported, fits false
     if args.json:
         layout = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "fsdp": args.fsdp, "sp": args.sp,
-                  "microbatches": args.microbatches, "checkpointing": args.checkpointing,
+                  "microbatches": microbatches, "checkpointing": args.checkpointing,
                   "schedule": args.schedule or ("1f1b" if args.pp > 1 else None), "virtual_stages": args.virtual_stages}
         _out(json.dumps({"batch_size": batch, "seq_len": seq, "layout": layout, **estimate_json(pred)}, indent=2))
     else:
@@ -244,7 +245,7 @@ def cmd_estimate(args: argparse.Namespace) -> None:
                     if args.pp > 1 else "")
         _out(f"{args.model} on {args.devices} x {profile}: {layout or 'one device'}"
              f"{' ' + '+'.join(extras) if extras else ''}, batch {batch} x seq {seq}, "
-             f"{args.microbatches} micro-batch(es){schedule}")
+             f"{microbatches} micro-batch(es){schedule}")
         _out(render_prediction(pred))
 
 
@@ -385,9 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=_positive, default=1, help="pipeline stages (default: %(default)s)")
     p.add_argument("--fsdp", action="store_true", help="shard parameters and optimizer state over dp")
     p.add_argument("--sp", action="store_true", help="sequence parallel activations over tp")
-    p.add_argument("--microbatches", type=_positive, default=1,
+    p.add_argument("--microbatches", type=_positive,
                    help="micro-batches per step and data-parallel rank (gradient accumulation, or "
-                   "pipeline micro-batches; default: %(default)s)")
+                   "pipeline micro-batches; default: pp, the fewest that keep every stage busy)")
     p.add_argument("--checkpointing", choices=["none", "selective", "full"], default="none",
                    help="activation checkpointing (default: %(default)s)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"],

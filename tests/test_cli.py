@@ -127,6 +127,9 @@ def test_estimate_table(capsys: pytest.CaptureFixture[str]) -> None:
                  "--checkpointing", "full"]) == 0
     workload = capsys.readouterr().out.splitlines()[0]  # the schedule and checkpointing were left out
     assert workload == f"llama-tiny on 2 x {PROFILE}: pp=2 full checkpointing, batch 4 x seq 32, 2 micro-batch(es), 1f1b"
+    # a pipeline without --microbatches: as many as stages (it was "microbatches: 1 < pp=2")
+    assert main(["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "2"]) == 0
+    assert ", 2 micro-batch(es), 1f1b" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_schema_prints_the_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
@@ -216,7 +219,7 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "gpipe"], "schedule: gpipe needs a pipeline (pp > 1)"),
     # without a pipeline first, as docs/service.md says (it named the schedule; review)
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--virtual-stages", "2"], "virtual_stages: 2 needs a pipeline (pp > 1)"),
-    # the mesh's size first (it said "microbatches: 1 < pp=64")
+    # the mesh's size first (it said "microbatches: 1 < pp=64"; now pp micro-batches by default)
     (["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "64"], "devices: dp*tp*pp = 64, but devices=2"),
     # blamed the model ("sequence parallelism is not available for this model")
     (["estimate", *TINY, "--dp", "1", "--tp", "2", "--sp", "--seq-len", "15"], "seq_len: 15 is not divisible by tp=2"),
