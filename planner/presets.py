@@ -183,6 +183,12 @@ def _check(data: dict[str, Any]) -> None:
         if value > limit:
             raise ConfigError(f"{name}: {value} is beyond the sanity limit {limit}")
     heads = data["num_attention_heads"]
+    if model_type == "exaone4" and "sliding_window" in data and data["sliding_window"] is None \
+            and data.get("layer_types") is None:
+        # its config then sets sliding_window_pattern to 0 and derives layer_types modulo it
+        raise ConfigError("layer_types: missing from an exaone4 config whose sliding_window is null; "
+                          "transformers derives them modulo a sliding_window_pattern of 0 there (a "
+                          "ZeroDivisionError): give layer_types, e.g. all \"full_attention\"")
     if model_type in _HEAD_DIM_GIVEN and data.get("head_dim") is None:
         raise ConfigError(f"head_dim: missing from the {model_type} config; transformers' {model_type} model does "
                           "not derive it from hidden_size / num_attention_heads")
@@ -278,13 +284,21 @@ def _check_rope(data: dict[str, Any]) -> None:
                                   f"(supported: {', '.join(_ROPE_TYPES)})")
 
 
-def _config_error(e: Exception, data: dict[str, Any]) -> ConfigError:
+_CONFIG_ERRORS = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, AssertionError,
+                  StrictDataclassError)
+
+
+def _config_error(e: Exception, data: dict[str, Any], kwargs: dict[str, Any]) -> ConfigError:
     """transformers' own rejection as a ConfigError naming the field.  Its strict-dataclass
     errors print the field on one line and the problem (the cause) on the next; a rule
-    across fields (RoPE's) names the fields it checks in backquotes."""
+    across fields (RoPE's) names the fields it checks in backquotes.  Where the message
+    names none (a ZeroDivisionError in a ``__post_init__``), the key without which the
+    config builds is named."""
     cause = e.__cause__ or e
     problem = (str(cause.args[0]) if isinstance(cause, KeyError) and cause.args else str(cause)).strip()
     problem = problem.splitlines()[0] if problem else type(cause).__name__
+    if isinstance(cause, (ArithmeticError, AssertionError, IndexError)):  # a crash, not a check
+        problem = f"transformers fails on it ({type(cause).__name__}: {problem})"
     field = re.search(r"(?:field|property) '(\w+)'", str(e))
     names = [field[1]] if field else re.findall(r"`(\w+)`", problem)
     for name in names:
@@ -292,6 +306,12 @@ def _config_error(e: Exception, data: dict[str, Any]) -> ConfigError:
             name = "rope_scaling"
         if name in data:
             return ConfigError(f"{name}: {problem}")
+    for key in kwargs:  # building a config takes milliseconds: try each key at its default
+        try:
+            _for_model(data["model_type"], {k: v for k, v in kwargs.items() if k != key})
+        except _CONFIG_ERRORS:
+            continue
+        return ConfigError(f"{key}: {kwargs[key]!r} is not a valid {data['model_type']} {key}: {problem}")
     return ConfigError(f"model: invalid {data['model_type']} config: {problem}")
 
 
@@ -320,10 +340,12 @@ def load_config(source: str | Path | Mapping[str, Any] | PretrainedConfig) -> Pr
     kwargs = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
     try:
         config = _for_model(data["model_type"], kwargs)
-    except (TypeError, ValueError, KeyError, AttributeError, StrictDataclassError) as e:
+    except _CONFIG_ERRORS as e:
         # AttributeError: a key naming a read-only property (sub_configs), or one of the
-        # wrong type that the config's own __init__ reads (id2label as a string)
-        raise _config_error(e, data) from None
+        # wrong type that the config's own __init__ reads (id2label as a string);
+        # ArithmeticError: a value its __post_init__ divides by (EXAONE 4's null
+        # sliding_window_pattern, a 500 over HTTP before; black-box review)
+        raise _config_error(e, data, kwargs) from None
     config.name_or_path = name
     return config
 

@@ -170,6 +170,12 @@ LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
         ({**LLAMA, "rms_norm_eps": -1}, "rms_norm_eps", "must not be negative, got -1"),
         # transformers' Ministral reads head_dim as given: None ** -0.5, "cannot build" before
         ({**LLAMA, "model_type": "ministral"}, "head_dim", "missing from the ministral config"),
+        # a ZeroDivisionError in transformers' EXAONE 4 config: a traceback on the CLI, a 500
+        # over HTTP (black-box review)
+        ({**LLAMA, "model_type": "exaone4", "sliding_window": None, "sliding_window_pattern": None},
+         "layer_types", "missing from an exaone4 config whose sliding_window is null"),
+        ({**LLAMA, "model_type": "exaone4", "sliding_window": 8, "sliding_window_pattern": 0},
+         "sliding_window_pattern", "transformers fails on it (ZeroDivisionError: integer modulo by zero)"),
     ],
 )
 def test_bad_configs_give_one_line_errors(config, field, says):
