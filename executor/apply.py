@@ -180,7 +180,7 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
                                            layout=layout))
         _mark_replaced(before, model)
         return model
-    _checkpoint_activations(model, plan, batch)
+    _checkpoint_activations(model, plan, batch, tensor_parallel=model_mesh is not None)
     if layout.data:
         _fully_shard(model, mesh, layout, plan.mesh.names)
     # After fully_shard: FSDP2's root post-forward hook must see the local outputs, since
@@ -839,19 +839,20 @@ def _prepare_stage(stage: nn.Module, plan: Plan, mesh: DeviceMesh, model_mesh: D
     the batch slice and turns the stage's outputs into plain tensors)."""
     if model_mesh is not None:
         _register_activation_hooks(stage, model_mesh, plan, layout.model)
-    _checkpoint_activations(stage, plan, None)
+    _checkpoint_activations(stage, plan, None, tensor_parallel=model_mesh is not None)
     if layout.data:
         _fully_shard(stage, mesh, layout, plan.mesh.names)
 
 
-def _checkpoint_activations(model: nn.Module, plan: Plan, batch: DataParallelBatch | None) -> None:
+def _checkpoint_activations(model: nn.Module, plan: Plan, batch: DataParallelBatch | None,
+                            tensor_parallel: bool = False) -> None:
     """Recompute each repeated block in backward: all of it (``full``) or all but its matmul
     and attention outputs (``selective``, torch's selective activation checkpointing)."""
     if plan.activation_checkpointing == "none":
         return
     selective = plan.activation_checkpointing == "selective"
     for block in local_regions.blocks(model):
-        checkpoint(block, context_fn=partial(_recompute_contexts, selective, batch))
+        checkpoint(block, context_fn=partial(_recompute_contexts, selective, batch, tensor_parallel))
 
 
 # planner.strategies.SAVED_BY_SELECTIVE is the planner's view of this set
@@ -868,14 +869,18 @@ def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _recompute_contexts(selective: bool, batch: DataParallelBatch | None,
+def _recompute_contexts(selective: bool, batch: DataParallelBatch | None, tensor_parallel: bool,
                         ) -> tuple[AbstractContextManager, AbstractContextManager]:
     """The recomputation must redraw the forward's dropout masks (executor.rng's contexts,
-    and the batch-slice view the root hooks give the forward) and, when selective, reuse
-    the saved matmuls (torch's contexts): run all the pairs."""
+    and the batch-slice view the root hooks give the forward), run under the forward's
+    ``implicit_replication`` (a tensor the block makes mixes with DTensors there: the MoE
+    experts' ``inv_perm[perm] = arange(...)``, which failed in backward; black-box review)
+    and, when selective, reuse the saved matmuls (torch's contexts): run all the pairs."""
     pairs = [rng.checkpoint_context_fn()] if rng.is_active() else []
     if batch is not None:
         pairs.append((nullcontext(), batch.randomness()))
+    if tensor_parallel:
+        pairs.append((nullcontext(), implicit_replication()))
     if selective:
         pairs.append(create_selective_checkpoint_contexts(_keep_matmuls))
     return _together(p[0] for p in pairs), _together(p[1] for p in pairs)
