@@ -24,6 +24,7 @@ How the plan is realised (see docs/executor.md for the user-facing rules):
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import os
@@ -524,9 +525,24 @@ def _register_cpu_attention_sharding() -> None:
                 for p in (Replicate(), Shard(0), Shard(1))]
 
 
+def _key_topk_by_k() -> None:
+    """DTensor caches an op's sharding by its DTensor inputs and the arguments from
+    ``static_argnum`` on; torch 2.11-2.13 register ``aten.topk`` from its ``dim`` (2), not
+    ``k`` (1), which sets the output's shape.  A second MoE model with another top-k in
+    the same process then got the first one's global shape for its routing indices
+    ("value tensor of shape [512] cannot be broadcast to ... [256]", a sweep of olmoe
+    top-4 then top-2; black-box review).  No public API sets this, hence the private
+    table; where torch already keys by ``k``, nothing changes."""
+    table = DTensor._op_dispatcher.sharding_propagator.op_to_schema_info
+    info = table.get(torch.ops.aten.topk.default)
+    if info is not None and info.static_argnum > 1:
+        table[torch.ops.aten.topk.default] = dataclasses.replace(info, static_argnum=1)
+
+
 def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,
                                model_dims: tuple[str, ...]) -> None:
     _register_cpu_attention_sharding()
+    _key_topk_by_k()
     replicate = [Replicate()] * mesh.ndim
 
     def as_dtensor(t: torch.Tensor) -> torch.Tensor:
