@@ -277,6 +277,7 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
     if mesh is not None:
         problems += _mesh_problems(plan, mesh, layout)
     problems += _unmatched_patterns(plan, model)
+    experts: list[tuple[str, torch.dtype]] = []
     for fqn, p in named:
         pl = plan.placement_for(fqn)
         if pl is None:
@@ -284,6 +285,16 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
             continue
         layout.placements[fqn] = pl
         problems += plan.placement_problems(fqn, tuple(p.shape), pl, layout)
+        if (p.dim() == 3 and ".experts." in fqn and p.dtype != torch.bfloat16
+                and any(pl[plan.mesh.names.index(d)].startswith("S(") for d in layout.model)):
+            experts.append((fqn, p.dtype))
+    if experts:
+        # DTensor prices the experts' grouped GEMM with a meta kernel that takes bfloat16
+        # only: "Expected inputs of BF16 type" from deep inside torch (black-box review)
+        (fqn, dtype), more = experts[0], f" (and {len(experts) - 1} more)" if len(experts) > 1 else ""
+        problems.append(f"{fqn}{more}: {str(dtype).removeprefix('torch.')} experts split over the model dims; "
+                        "torch's grouped GEMM under DTensor takes bfloat16 only: build or cast the model in "
+                        "bfloat16, or plan with the experts replicated there")
     if plan.pipeline is not None:  # its dry run needs a model that fits the plan
         layout.cuts, found = pipeline.check(plan, model, dry_run=not problems)
         problems += found

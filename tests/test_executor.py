@@ -626,6 +626,16 @@ def test_indivisible_shard() -> None:
             "into 3 tensor-parallel shards") in msg
 
 
+def test_float32_experts_split_over_tp_are_refused_naming_the_dtype() -> None:
+    """torch's grouped GEMM under DTensor takes bfloat16 only: an fp32 MoE (the README's
+    loop builds fp32 models) failed at the first forward with "Expected inputs of BF16
+    type" from deep inside torch (black-box review)."""
+    plan = planner.hand_plan(OLMOE, devices=2, profile="cpu-gloo-local", tp=2, batch_size=BATCH, seq_len=SEQ)
+    msg = _refused(plan, build_model(load_config(OLMOE), device="meta"))
+    assert ("model.layers.0.mlp.experts.gate_up_proj (and 3 more): float32 experts split over the model dims; "
+            "torch's grouped GEMM under DTensor takes bfloat16 only") in msg
+
+
 def test_replicated_parameter_on_a_fully_shard_dim() -> None:
     model = _llama()
     plan = make_plan(model, {"dp": 2}, fsdp=True)
