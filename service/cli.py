@@ -222,11 +222,16 @@ def cmd_estimate(args: argparse.Namespace) -> None:
     estimate = _require("planner", "estimate")
     batch, seq = _workload(args)
     microbatches = args.microbatches or args.pp
-    pred = estimate(args.model, args.devices, args.profile, dp=args.dp, tp=args.tp, pp=args.pp,
-                    fsdp=args.fsdp, sp=args.sp, microbatches=microbatches,
-                    checkpointing=args.checkpointing, schedule=args.schedule,
-                    virtual_stages=args.virtual_stages, batch_size=batch, seq_len=seq,
-                    require_fit=False)  # a layout that does not fit is reported, fits false
+    try:
+        pred = estimate(args.model, args.devices, args.profile, dp=args.dp, tp=args.tp, pp=args.pp,
+                        fsdp=args.fsdp, sp=args.sp, microbatches=microbatches,
+                        checkpointing=args.checkpointing, schedule=args.schedule,
+                        virtual_stages=args.virtual_stages, batch_size=batch, seq_len=seq,
+                        require_fit=False)  # a layout that does not fit is reported, fits false
+    except ValueError as e:
+        if args.microbatches is None and microbatches > 1 and "microbatches" in str(e):
+            raise UserError(f"{e} (--microbatches defaults to --pp={args.pp}; give the count to use)") from None
+        raise
     if args.json:
         layout = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "fsdp": args.fsdp, "sp": args.sp,
                   "microbatches": microbatches, "checkpointing": args.checkpointing,

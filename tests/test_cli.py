@@ -130,6 +130,9 @@ def test_estimate_table(capsys: pytest.CaptureFixture[str]) -> None:
     # a pipeline without --microbatches: as many as stages (it was "microbatches: 1 < pp=2")
     assert main(["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "2"]) == 0
     assert ", 2 micro-batch(es), 1f1b" in capsys.readouterr().out.splitlines()[0]
+    # a batch the default does not divide says where the count came from
+    assert main(["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "2", "--batch-size", "3"]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("(--microbatches defaults to --pp=2; give the count to use)")
 
 
 def test_schema_prints_the_plan_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
