@@ -278,6 +278,7 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
         problems += _mesh_problems(plan, mesh, layout)
     problems += _unmatched_patterns(plan, model)
     experts: list[tuple[str, torch.dtype]] = []
+    grouped = getattr(getattr(model, "config", None), "_experts_implementation", None) == "grouped_mm"
     for fqn, p in named:
         pl = plan.placement_for(fqn)
         if pl is None:
@@ -285,7 +286,7 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
             continue
         layout.placements[fqn] = pl
         problems += plan.placement_problems(fqn, tuple(p.shape), pl, layout)
-        if (p.dim() == 3 and ".experts." in fqn and p.dtype != torch.bfloat16
+        if (grouped and p.dim() == 3 and ".experts." in fqn and p.dtype != torch.bfloat16
                 and any(pl[plan.mesh.names.index(d)].startswith("S(") for d in layout.model)):
             experts.append((fqn, p.dtype))
     if experts:
@@ -294,7 +295,8 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
         (fqn, dtype), more = experts[0], f" (and {len(experts) - 1} more)" if len(experts) > 1 else ""
         problems.append(f"{fqn}{more}: {str(dtype).removeprefix('torch.')} experts split over the model dims; "
                         "torch's grouped GEMM under DTensor takes bfloat16 only: build or cast the model in "
-                        "bfloat16, or plan with the experts replicated there")
+                        "bfloat16, build it with experts_implementation=\"batched_mm\", or plan with the "
+                        "experts replicated there")
     if plan.pipeline is not None:  # its dry run needs a model that fits the plan
         layout.cuts, found = pipeline.check(plan, model, dry_run=not problems)
         problems += found
@@ -538,16 +540,18 @@ def _register_cpu_attention_sharding() -> None:
 
 def _key_topk_by_k() -> None:
     """DTensor caches an op's sharding by its DTensor inputs and the arguments from
-    ``static_argnum`` on; torch 2.11-2.13 register ``aten.topk`` from its ``dim`` (2), not
+    ``static_argnum`` on; torch 2.13 registers ``aten.topk`` from its ``dim`` (2), not
     ``k`` (1), which sets the output's shape.  A second MoE model with another top-k in
     the same process then got the first one's global shape for its routing indices
     ("value tensor of shape [512] cannot be broadcast to ... [256]", a sweep of olmoe
     top-4 then top-2; black-box review).  No public API sets this, hence the private
     table; where torch already keys by ``k``, nothing changes."""
-    table = DTensor._op_dispatcher.sharding_propagator.op_to_schema_info
-    info = table.get(torch.ops.aten.topk.default)
-    if info is not None and info.static_argnum > 1:
-        table[torch.ops.aten.topk.default] = dataclasses.replace(info, static_argnum=1)
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in ("op_to_schema_info", "op_to_schema_info_for_single_dim_strategy"):  # where _dispatch looks
+        table = getattr(propagator, name, {})
+        info = table.get(torch.ops.aten.topk.default)
+        if info is not None and info.static_argnum > 1:
+            table[torch.ops.aten.topk.default] = dataclasses.replace(info, static_argnum=1)
 
 
 def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,

@@ -311,7 +311,9 @@ def _config_error(e: Exception, data: dict[str, Any], kwargs: dict[str, Any]) ->
             _for_model(data["model_type"], {k: v for k, v in kwargs.items() if k != key})
         except _CONFIG_ERRORS:
             continue
-        return ConfigError(f"{key}: {kwargs[key]!r} is not a valid {data['model_type']} {key}: {problem}")
+        value = repr(kwargs[key])
+        value = value if len(value) <= 60 else value[:57] + "..."
+        return ConfigError(f"{key}: {value} is not a valid {data['model_type']} {key}: {problem}")
     return ConfigError(f"model: invalid {data['model_type']} config: {problem}")
 
 

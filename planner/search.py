@@ -862,7 +862,7 @@ def _constraint_pins(constraints: Sequence[Mapping[str, Any]] | None, fqns: Iter
 
 
 def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 1, tp: int = 1,
-             pp: int = 1, fsdp: bool = False, sp: bool = False, microbatches: int = 1,
+             pp: int = 1, fsdp: bool = False, sp: bool = False, microbatches: int | None = None,
              checkpointing: str = "none", schedule: str | None = None, virtual_stages: int = 1,
              batch_size: int | None = None, seq_len: int | None = None, require_fit: bool = True) -> Prediction:
     """Predicted step time and memory of a hand layout (TorchTitan/Megatron style);
@@ -874,7 +874,7 @@ def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 
 
 
 def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 1, tp: int = 1,
-              pp: int = 1, fsdp: bool = False, sp: bool = False, microbatches: int = 1,
+              pp: int = 1, fsdp: bool = False, sp: bool = False, microbatches: int | None = None,
               checkpointing: str = "none", schedule: str | None = None, virtual_stages: int = 1,
               batch_size: int | None = None, seq_len: int | None = None, require_fit: bool = True) -> Plan:
     """The plan of a hand layout (TorchTitan/Megatron style: projections column- then
@@ -885,8 +885,10 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
 
     A layout that does not fit in memory raises PlanningError, unless ``require_fit`` is
     False: then it is priced with the memory bound lifted and comes back with
-    ``prediction.memory.fits`` False, so that ``estimate --json`` can report what it needs."""
+    ``prediction.memory.fits`` False, so that ``estimate --json`` can report what it needs.
+    ``microbatches`` defaults to ``pp``, the fewest that keep every stage busy."""
     t0 = time.perf_counter()
+    microbatches = pp if microbatches is None else microbatches
     _positive_ints(devices=devices, dp=dp, tp=tp, pp=pp, microbatches=microbatches,  # dp="2" was a TypeError
                    virtual_stages=virtual_stages)
     given_schedule, schedule = schedule, schedule or "1f1b"

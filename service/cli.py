@@ -221,7 +221,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def cmd_estimate(args: argparse.Namespace) -> None:
     estimate = _require("planner", "estimate")
     batch, seq = _workload(args)
-    microbatches = args.microbatches or args.pp
+    microbatches = args.microbatches or args.pp  # planner.hand_plan's default, shown in the output
     try:
         pred = estimate(args.model, args.devices, args.profile, dp=args.dp, tp=args.tp, pp=args.pp,
                         fsdp=args.fsdp, sp=args.sp, microbatches=microbatches,

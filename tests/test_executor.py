@@ -636,6 +636,33 @@ def test_float32_experts_split_over_tp_are_refused_naming_the_dtype() -> None:
             "torch's grouped GEMM under DTensor takes bfloat16 only") in msg
 
 
+def batched_experts_losses(plan_json: str | None) -> list[float]:
+    """Two float32 steps of OLMOE with its experts computed by batched matmuls."""
+    executor.rng.manual_seed(SEED)
+    config = load_config(OLMOE)
+    config._experts_implementation = "batched_mm"
+    model = build_model(config, device="cpu").train()
+    if plan_json is not None:
+        model = executor.apply(Plan.from_json(plan_json), model)
+    losses = []
+    for x, _ in batches(Case("llama"))[:2]:
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        losses.append(loss.item())
+    executor.rng.deactivate()
+    return losses
+
+
+def test_float32_experts_without_the_grouped_gemm_are_not_refused() -> None:
+    """Only the grouped GEMM takes bfloat16 alone: experts computed with batched matmuls
+    train in float32 under tensor parallelism as on one device (review: the refusal above
+    first caught them too)."""
+    plan = planner.hand_plan(OLMOE, devices=2, profile="cpu-gloo-local", tp=2, batch_size=BATCH, seq_len=SEQ)
+    reference = batched_experts_losses(None)
+    got = run_on_ranks(2, batched_experts_losses, plan.to_json())[0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(reference), rtol=1e-5, atol=0)
+
+
 def test_replicated_parameter_on_a_fully_shard_dim() -> None:
     model = _llama()
     plan = make_plan(model, {"dp": 2}, fsdp=True)
