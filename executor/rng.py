@@ -12,7 +12,7 @@ no rank ever materialises the global tensor and no communication is needed.
 User code is unchanged: :func:`manual_seed` pushes a
 :class:`torch.overrides.TorchFunctionMode` that reroutes the random ops models
 use (dropout, attention dropout, ``torch.rand*``, ``Tensor.uniform_/normal_/
-bernoulli_`` and the ``nn.init`` functions) to this generator.  See
+bernoulli_/exponential_`` and the ``nn.init`` functions) to this generator.  See
 ``docs/rng.md`` for the contract, the activation rules and the limits.
 """
 
@@ -370,32 +370,42 @@ _CHUNK = 32768  # at::internal::GRAIN_SIZE: smaller inputs are not split across 
 _VECTOR_MULTIPLE = 64  # a multiple of every CPU vector width torch uses, times its unroll of 2
 
 
+def _length_free(fn: Callable[..., torch.Tensor], x: torch.Tensor, pad: float) -> torch.Tensor:
+    """``fn(x)`` for a libm op (log, cos, sin) whose bits do not depend on ``x``'s length.
+
+    torch's CPU kernels evaluate these with SIMD (Sleef) code but finish each
+    thread's chunk with a scalar libm loop, and the two may differ in the last
+    bit; which elements land in the scalar tail depends on the tensor's length,
+    i.e. on the sharding.  Feeding fixed-size chunks, padded with ``pad`` (a value
+    in ``fn``'s domain), keeps every element on the SIMD path.  CUDA has no tail.
+    """
+    if x.device.type != "cpu":
+        return fn(x)
+    count = x.numel()
+    x = F.pad(x, (0, -count % _VECTOR_MULTIPLE), value=pad)
+    out = torch.empty_like(x)
+    for start in range(0, x.numel(), _CHUNK):
+        part = slice(start, start + _CHUNK)
+        fn(x[part], out=out[part])
+    return out[:count]
+
+
 def _box_muller(
     u1: torch.Tensor, u2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``sqrt(-2 log u1)``, ``cos(2 pi u2)``, ``sin(2 pi u2)`` independent of the input length.
+    """``sqrt(-2 log u1)``, ``cos(2 pi u2)``, ``sin(2 pi u2)`` independent of the input length."""
+    theta = (2.0 * math.pi) * u2
+    radius = torch.sqrt(_length_free(torch.log, u1, 1.0).mul_(-2.0))
+    return radius, _length_free(torch.cos, theta, 0.0), _length_free(torch.sin, theta, 0.0)
 
-    torch's CPU kernels evaluate log/cos/sin with SIMD (Sleef) code but finish
-    each thread's chunk with a scalar libm loop, and the two may differ in the
-    last bit; which elements land in the scalar tail depends on the tensor's
-    length, i.e. on the sharding.  Feeding fixed-size, padded chunks keeps
-    every element on the SIMD path.  CUDA has no tail, so it runs whole.
-    """
-    if u1.device.type != "cpu":
-        theta = (2.0 * math.pi) * u2
-        return torch.sqrt(-2.0 * torch.log(u1)), torch.cos(theta), torch.sin(theta)
-    count = u1.numel()
-    pad = -count % _VECTOR_MULTIPLE
-    u1 = F.pad(u1, (0, pad), value=1.0)
-    theta = F.pad((2.0 * math.pi) * u2, (0, pad))
-    radius, cos, sin = torch.empty_like(u1), torch.empty_like(u1), torch.empty_like(u1)
-    for start in range(0, u1.numel(), _CHUNK):
-        part = slice(start, start + _CHUNK)
-        torch.log(u1[part], out=radius[part])
-        torch.cos(theta[part], out=cos[part])
-        torch.sin(theta[part], out=sin[part])
-    radius = torch.sqrt(radius.mul_(-2.0))
-    return radius[:count], cos[:count], sin[:count]
+
+def _standard_exponential(seed: int, op: int, where: _Indices, dtype: torch.dtype) -> torch.Tensor:
+    """``-log u`` in float64 for ``u`` uniform on (0, 1): never 0, whose log a Gumbel
+    draw (``-exponential_().log()``, PhiMoE's router) would turn into infinity."""
+    bits = min(_mantissa_bits(dtype) + 8, 53)  # guard bits, as for the normal's tail
+    words = _words(seed, op, where, 2 if bits > 32 else 1)
+    u = (_unit(words, bits).to(torch.float64) + 0.5) * 2.0**-bits
+    return _length_free(torch.log, u, 1.0).neg_()
 
 
 def _bernoulli_keep(seed: int, op: int, where: _Indices, prob: float) -> torch.Tensor:
@@ -803,6 +813,13 @@ def _normal_sampler(mean: float, std: float, dtype: torch.dtype) -> Sampler:
     return sample
 
 
+def _exponential_sampler(lambd: float, dtype: torch.dtype) -> Sampler:
+    def sample(seed: int, op: int, where: _Indices) -> torch.Tensor:
+        return (_standard_exponential(seed, op, where, dtype) / lambd).to(dtype)
+
+    return sample
+
+
 def dropout(
     input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
 ) -> torch.Tensor:
@@ -1192,6 +1209,12 @@ def _normal_(
     return _sample_into(t, _normal_sampler(mean, std, t.dtype), "normal_")
 
 
+def _exponential_(t: torch.Tensor, lambd: float = 1.0, *, generator: Any = None) -> torch.Tensor:
+    if not lambd > 0:
+        raise RuntimeError(f"exponential_ expects lambda > 0.0, but found lambda={lambd}")
+    return _sample_into(t, _exponential_sampler(lambd, t.dtype), "exponential_")
+
+
 def _bernoulli_(
     t: torch.Tensor, p: torch.Tensor | float = 0.5, *, generator: Any = None
 ) -> torch.Tensor:
@@ -1342,6 +1365,7 @@ _HANDLERS: dict[Callable[..., Any], Callable[..., Any]] = {
     torch.Tensor.uniform_: _uniform_,
     torch.Tensor.normal_: _normal_,
     torch.Tensor.bernoulli_: _bernoulli_,
+    torch.Tensor.exponential_: _exponential_,
     nn.init.uniform_: _bound(_init_uniform, nn.init.uniform_),
     nn.init.normal_: _bound(_init_normal, nn.init.normal_),
     nn.init.trunc_normal_: _bound(_init_trunc_normal, nn.init.trunc_normal_),

@@ -52,6 +52,7 @@ OPS: dict[str, Op] = {
     "uniform_": lambda x: x.clone().uniform_(-2.0, 3.0),
     "normal_": lambda x: x.clone().normal_(1.0, 2.0),
     "bernoulli_": lambda x: x.clone().bernoulli_(0.25),
+    "exponential_": lambda x: x.clone().exponential_(2.0),
     "torch.bernoulli": torch.bernoulli,  # the inputs lie in [0, 1): probabilities
     "init.trunc_normal_": lambda x: nn.init.trunc_normal_(x.clone(), std=0.5),
     "init.kaiming_uniform_": lambda x: nn.init.kaiming_uniform_(x.clone(), a=math.sqrt(5)),
@@ -496,11 +497,14 @@ def test_distributions() -> None:
     z = torch.randn(n)
     b = torch.bernoulli(torch.full((n,), 0.3))
     r = torch.randint(5, 12, (n,))
+    e = torch.empty(n, dtype=torch.float64).exponential_(4.0)
     assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
     assert abs(float(u.mean()) - 0.5) < 0.007 and abs(float(u.var()) - 1 / 12) < 0.003
     assert abs(float(z.mean())) < 0.023 and abs(float(z.std()) - 1.0) < 0.016
     assert abs(float(b.mean()) - 0.3) < 0.011
     assert set(r.unique().tolist()) == set(range(5, 12))
+    assert float(e.min()) > 0.0 and abs(float(e.mean()) - 0.25) < 0.006 and abs(float(e.std()) - 0.25) < 0.006
+    assert float(torch.empty(n, dtype=torch.bfloat16).exponential_().min()) > 0.0  # a Gumbel draw's log is finite
     assert abs(float(torch.corrcoef(torch.stack([z[:-1], z[1:]]))[0, 1])) < 0.023
     t = nn.init.trunc_normal_(torch.empty(10_000), std=1.0, a=-0.5, b=0.5)
     assert float(t.min()) >= -0.5 and float(t.max()) <= 0.5
@@ -637,6 +641,8 @@ def test_bad_input_errors() -> None:
         torch.randint(3, 3, (2,))
     with pytest.raises(TypeError, match="dtype torch.int64"):
         torch.empty(3, dtype=torch.int64).normal_()
+    with pytest.raises(RuntimeError, match="exponential_ expects lambda > 0.0, but found lambda=0"):
+        torch.empty(3).exponential_(0)
 
 
 def test_planning_in_a_seeded_script_draws_nothing() -> None:
