@@ -24,7 +24,6 @@ How the plan is realised (see docs/executor.md for the user-facing rules):
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import os
@@ -53,7 +52,7 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
-from torch.distributed.tensor.experimental import implicit_replication, register_sharding
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.utils import _sync_module_states  # DDP's broadcast of module states
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import SUPPORTED_NODES, tree_map_only
@@ -61,7 +60,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from transformers import PreTrainedModel
 
 from cost_model.profile import problem_lines
-from executor import deferred_init, local_regions, loss, outputs, pipeline, rng
+from executor import deferred_init, dtensor_rules, local_regions, loss, outputs, pipeline, rng
 from executor.accumulate import accumulate
 from executor.data import DataParallelBatch, SameBatch
 from planner.schema import Fingerprint, MeshRoles, ModuleLayout, Plan, pattern_matches, shard_dim
@@ -508,56 +507,9 @@ def _reduce_pending_grads(model: nn.Module) -> None:
 
 # -- activations -------------------------------------------------------------------------------
 
-_CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_CPU_SDPA_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-
-
-def _register_cpu_attention_sharding() -> None:
-    """DTensor has sharding rules for the CUDA attention kernels but not for the CPU one
-    that ``F.scaled_dot_product_attention`` picks on CPU; attention is independent per
-    batch element and per head, so batch- and head-sharding are exact.  The keyword-only
-    ``attn_mask`` (a padding mask, broadcast over the dims where it has size 1) is split
-    like the query where it has that dim, and whole where it broadcasts."""
-    def mask(q: Any, m: Any, p: Placement) -> list:
-        if m is None:
-            return []
-        if isinstance(p, Shard):  # the mask's dims align with the query's from the right
-            d = p.dim - (len(q.shape) - len(m.shape))
-            if d >= 0 and m.shape[d] == q.shape[p.dim]:
-                return [Shard(d)]
-        return [Replicate()]
-
-    @register_sharding(_CPU_SDPA)
-    def forward(q: Any, k: Any, v: Any, *args: Any, attn_mask: Any = None, **kwargs: Any) -> list:
-        return [([p, p], [p, p, p] + [None] * len(args) + mask(q, attn_mask, p))
-                for p in (Replicate(), Shard(0), Shard(1))]
-
-    @register_sharding(_CPU_SDPA_BACKWARD)
-    def backward(*args: Any, attn_mask: Any = None, **kwargs: Any) -> list:
-        return [([p] * 3, [p] * 6 + [None] * (len(args) - 6) + mask(args[1], attn_mask, p))
-                for p in (Replicate(), Shard(0), Shard(1))]
-
-
-def _key_topk_by_k() -> None:
-    """DTensor caches an op's sharding by its DTensor inputs and the arguments from
-    ``static_argnum`` on; torch 2.13 registers ``aten.topk`` from its ``dim`` (2), not
-    ``k`` (1), which sets the output's shape.  A second MoE model with another top-k in
-    the same process then got the first one's global shape for its routing indices
-    ("value tensor of shape [512] cannot be broadcast to ... [256]", a sweep of olmoe
-    top-4 then top-2; black-box review).  No public API sets this, hence the private
-    table; where torch already keys by ``k``, nothing changes."""
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    for name in ("op_to_schema_info", "op_to_schema_info_for_single_dim_strategy"):  # where _dispatch looks
-        table = getattr(propagator, name, {})
-        info = table.get(torch.ops.aten.topk.default)
-        if info is not None and info.static_argnum > 1:
-            table[torch.ops.aten.topk.default] = dataclasses.replace(info, static_argnum=1)
-
-
 def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,
                                model_dims: tuple[str, ...]) -> None:
-    _register_cpu_attention_sharding()
-    _key_topk_by_k()
+    dtensor_rules.install()
     replicate = [Replicate()] * mesh.ndim
 
     def as_dtensor(t: torch.Tensor) -> torch.Tensor:
@@ -890,7 +842,7 @@ def _checkpoint_activations(model: nn.Module, plan: Plan, batch: DataParallelBat
 _SAVED_BY_SELECTIVE = {
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default, torch.ops.aten._grouped_mm.default,
-    _CPU_SDPA, torch.ops.aten._scaled_dot_product_flash_attention.default,
+    dtensor_rules.CPU_SDPA, torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
 }

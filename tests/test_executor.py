@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from _dist import Collectives, make_plan, run_on_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -30,6 +30,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import executor
 import planner
 from cost_model.step import fsdp_step_gathers
+from executor import dtensor_rules
 from planner.presets import PRESETS, build_model, load_config
 from planner.schema import ParameterPlacement, Plan
 
@@ -510,6 +511,40 @@ def test_models_with_other_top_k_train_one_after_another() -> None:
     got = run_on_ranks(2, first_losses, configs)[0]
     # bf16, and with fewer routes than experts near-tied routes may flip: the first loss only
     torch.testing.assert_close(torch.tensor(got), torch.tensor(reference), rtol=1e-3, atol=0)
+
+
+def scatter_add_in_place() -> dict[str, Any]:
+    """``grad.scatter_add_(-1, index, src)`` on pending sums, as PhiMoE's router backward
+    does, against the same op on the summed tensors; and on a tensor split along the
+    scattered dim."""
+    dtensor_rules.install()
+    mesh = init_device_mesh("cpu", (2,))
+    share = 0.25 if torch.distributed.get_rank() == 0 else 0.75
+    grad, src = torch.linspace(-1, 2, 24).view(6, 4), torch.linspace(3, -2, 6).view(6, 1)
+    index = torch.tensor([[3], [0], [1], [3], [2], [0]])
+    out = DTensor.from_local(grad * share, mesh, [Partial()], run_check=False)
+    out.scatter_add_(-1, DTensor.from_local(index, mesh, [Replicate()], run_check=False),
+                     DTensor.from_local(src * share, mesh, [Partial()], run_check=False))
+    split = DTensor.from_local(grad[:, :2], mesh, [Shard(1)], run_check=False)
+    try:
+        split.scatter_add_(-1, DTensor.from_local(index, mesh, [Replicate()], run_check=False),
+                           DTensor.from_local(src, mesh, [Replicate()], run_check=False))
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    return {"placements": out.placements, "got": out.full_tensor(),
+            "expected": grad.clone().scatter_add_(-1, index, src), "refused": refused}
+
+
+def test_in_place_scatter_add_on_pending_sums_adds_them() -> None:
+    """torch 2.13 derives ``scatter_add_``'s rule from its decomposition, which
+    redistributed ``self`` into a copy and relabelled the original: PhiMoE's router
+    gradient came out 21x one device's.  executor.dtensor_rules gives it a rule; a
+    placement no rule keeps is refused by DTensor, not computed wrong."""
+    for rank in run_on_ranks(2, scatter_add_in_place):
+        assert rank["placements"] == (Partial(),)
+        torch.testing.assert_close(rank["got"], rank["expected"])
+        assert "in-place operations that require placement changes are not supported" in rank["refused"]
 
 
 def test_fsdp_cuts_fewer_experts_than_ranks_across_their_rows() -> None:
