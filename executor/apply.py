@@ -409,9 +409,6 @@ def _not_per_row(model: nn.Module) -> list[str]:
         problems.append("output_router_logits: the router's load-balancing loss is computed on each "
                         "data-parallel rank's slice, and it is not a mean over rows, so the loss and the "
                         "router's gradients differ from one device's")
-    if getattr(config, "router_jitter_noise", 0):
-        problems.append("router_jitter_noise: the router's noise is drawn on each data-parallel rank's "
-                        "flattened tokens as if they were the batch's first rows")
     return problems
 
 

@@ -13,11 +13,13 @@ after it runs, results are made global again so the loop sees single-device valu
   unchanged: each rank's gradient is that of its local mean and the averaging
   reduction makes it the gradient of the global mean.
 
-Dropout: on one device the mask of a batch element depends on its index in the global
-batch (executor.rng draws by global element index).  While the root forward runs,
-executor.rng hands dropout (and attention dropout) here (``rng.redirected``), and they
-draw on a DTensor view of the rank's slice, ``Shard(0)`` over the data-parallel dims, so executor.rng draws exactly the
-global batch's mask for this slice, without communication.
+Randomness: on one device the mask of a batch element depends on its index in the
+global batch (executor.rng draws by global element index).  While the root forward runs,
+executor.rng hands dropout, attention dropout and the draws that follow a tensor's
+layout (``*_like``, ``bernoulli``, in-place fills) here (``rng.redirected``), and they
+draw on a DTensor view of the rank's slice, ``Shard(0)`` over the data-parallel dims, so
+executor.rng draws exactly the global batch's values for this slice, without
+communication.
 
 A Hugging Face causal LM's loss is made exact even where the slices count different
 numbers of tokens (padding, ``ignore_index``): each rank's loss divides its summed token
@@ -232,12 +234,15 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 
 
 class _SlicedRandomness:
-    """Dropout on a batch slice, drawn as the slice of the global batch's mask.
+    """Random draws on a batch slice, drawn as the slice of the global batch's values.
 
-    executor.rng hands it the dropout and attention calls it intercepts (rng.redirected),
-    and it calls rng's public ``dropout``/``sdpa`` on a view whose dim 0 is the global
-    batch (``Shard(0)`` on each data-parallel dim, then the tensor's own model-mesh
-    placements): the view shares the slice's storage, so no rank gathers anything.
+    executor.rng hands it the dropout, attention and input-following calls it intercepts
+    (rng.redirected), and it calls rng's public ``dropout``/``sdpa``/``draw`` on a view
+    whose dim 0 is the global batch (``Shard(0)`` on each data-parallel dim, then the
+    tensor's own model-mesh placements): the view shares the slice's storage, so no rank
+    gathers anything.  Dim 0 is taken as the batch rows, or the rows folded with the
+    dims after them, batch outermost (an MoE router's ``[batch * seq, experts]`` scores,
+    whose Gumbel draws PhiMoE makes): ``Shard(0)`` of that global tensor is this slice.
     (It used to be a torch-function mode of its own above rng's, which made every op of
     the forward pass through one more Python frame.)"""
 
@@ -245,6 +250,12 @@ class _SlicedRandomness:
         self.mesh, self.data_dims = mesh, data_dims
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if func in rng.FOLLOW_INPUT:  # *_like, bernoulli, in-place fills
+            t = args[0] if args else None
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return rng.draw(func, args, kwargs)
+            out = rng.draw(func, (self._global(t), *args[1:]), kwargs)
+            return t if func.__name__.endswith("_") else self._back(out, t)  # the view shares t's storage
         if func is F.dropout or func is torch.dropout:
             a = _bind_dropout(func, args, kwargs)
             if not a["training"] or a["p"] == 0.0:

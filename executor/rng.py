@@ -600,9 +600,11 @@ def batch_rows(start: int, count: int, total: int) -> AbstractContextManager[Non
     whose dim 0 is ``count`` (dropout, attention dropout, ``*_like``,
     in-place fills) draws the values of those rows of the ``total``-row
     tensor one device would see (a DTensor whose global dim 0 is ``count``
-    likewise, on top of its own sharding).  Other tensors and factories given a
-    shape (``torch.rand(shape)``) are unaffected.  Process-wide, like the
-    counter.
+    likewise, on top of its own sharding).  A dim 0 of ``k * count`` is taken
+    as the rows folded with the dims after them, batch outermost (an MoE
+    router's ``[batch * seq, experts]`` scores): rows ``[k * start, k * (start
+    + count))`` of ``k * total``.  Other tensors and factories given a shape
+    (``torch.rand(shape)``) are unaffected.  Process-wide, like the counter.
     """
     if start < 0 or count < 1 or start + count > total:
         raise ValueError(f"batch_rows: rows [{start}, {start + count}) do not lie in a batch of {total}")
@@ -700,9 +702,10 @@ def _layout(
 def _in_rows_window(shape: tuple[int, ...], offset: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Global shape and offset of a box inside the :func:`batch_rows` window (unchanged outside it)."""
     rows = _ROWS
-    if rows is None or not shape or shape[0] != rows.count:
+    if rows is None or not shape or shape[0] % rows.count:
         return shape, offset
-    return (rows.total, *shape[1:]), (offset[0] + rows.start, *offset[1:])
+    folded = shape[0] // rows.count  # rows folded with the dims after them, batch outermost
+    return (rows.total * folded, *shape[1:]), (offset[0] + rows.start * folded, *offset[1:])
 
 
 def _rewrap(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -1425,14 +1428,26 @@ class _Redirect(threading.local):
 
 
 _REDIRECT = _Redirect()
-_REDIRECTABLE = frozenset({F.dropout, torch.dropout, F.scaled_dot_product_attention})
+# The covered ops that draw in the layout of their first argument: a redirect can hand
+# them another view of it (executor.data: the global batch's)
+FOLLOW_INPUT = frozenset({
+    torch.rand_like, torch.randn_like, torch.randint_like, torch.bernoulli, torch.Tensor.bernoulli,
+    torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.exponential_,
+})
+_REDIRECTABLE = frozenset({F.dropout, torch.dropout, F.scaled_dot_product_attention, *FOLLOW_INPUT})
+
+
+def draw(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """A covered random op (one of :data:`FOLLOW_INPUT`) drawn here, past any redirect:
+    the redirect's own draw."""
+    return _HANDLERS[func](*args, **kwargs)
 
 
 @contextmanager
 def redirected(fn: Callable[[Any, tuple, dict], Any]) -> Iterator[None]:
-    """While active on this thread, the dropout and attention calls this module
-    intercepts go to ``fn(func, args, kwargs)`` instead (executor.data draws them for the
-    rank's batch slice, through :func:`dropout` and :func:`sdpa`)."""
+    """While active on this thread, the dropout, attention and :data:`FOLLOW_INPUT` calls
+    this module intercepts go to ``fn(func, args, kwargs)`` instead (executor.data draws
+    them for the rank's batch slice, through :func:`dropout`, :func:`sdpa` and :func:`draw`)."""
     saved, _REDIRECT.fn = _REDIRECT.fn, fn
     try:
         yield

@@ -402,7 +402,7 @@ def test_plans_from_the_planner_match_single_device(mesh: str, world4: dict, ref
 
 def router_warnings() -> list[str]:
     """The warnings of applying a data-parallel plan to a tiny Mixtral with its router's
-    load-balancing loss and noise on (neither splits by batch rows)."""
+    load-balancing loss (not a mean over batch rows) and noise on."""
     cfg = {**PRESETS["llama-tiny"], "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
            "output_router_logits": True, "router_aux_loss_coef": 0.02, "router_jitter_noise": 0.1}
     executor.rng.manual_seed(SEED)
@@ -413,16 +413,16 @@ def router_warnings() -> list[str]:
     return [str(w.message) for w in caught]
 
 
-def test_router_options_that_do_not_split_by_rows_warn() -> None:
+def test_router_loss_that_does_not_split_by_rows_warns() -> None:
     caught = run_on_ranks(2, router_warnings)[0]
     assert any(m.startswith("output_router_logits: the router's load-balancing loss is computed on each "
                             "data-parallel rank's slice") for m in caught), caught
-    assert any(m.startswith("router_jitter_noise: ") for m in caught), caught
+    # the jitter is drawn as on one device (test_routers_drawing_on_flattened_tokens_...)
+    assert not any(m.startswith("router_jitter_noise") for m in caught), caught
 
 
-# A tiny Mixtral in bf16 (under DTensor, torch's grouped_mm, the experts, takes bf16 only),
-# every token routed to every expert: with top-2 of 4, bf16 rounding flips near-tied routes
-# between two runs, which moves a layer's expert gradients by ~5%, on one device as on two
+# Tiny mixtures of experts.  Their experts run on torch's grouped GEMM (transformers'
+# default), which under DTensor takes bf16 only, or on batched matmuls, which take fp32
 MIXTRAL = {**PRESETS["llama-tiny"], "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 4}
 # Qwen3-MoE's experts are Mixtral's; its first layer a dense MLP here (mlp_only_layers), so
 # the layers differ and the whole model is traced; q/k normed per head
@@ -438,13 +438,23 @@ OLMOE = {**PRESETS["llama-tiny"], "model_type": "olmoe", "num_experts": 4, "num_
 GRANITEMOE = {**PRESETS["llama-tiny"], "model_type": "granitemoe", "num_local_experts": 4, "num_experts_per_tok": 4,
               "intermediate_size": 32, "embedding_multiplier": 12.0, "logits_scaling": 8.0,
               "residual_multiplier": 0.22, "attention_multiplier": 0.0078125}
+# PhiMoE: in training its router samples 2 experts (Gumbel: exponential_ and rand_like on
+# the [batch * seq, experts] scores), and its backward scatter_adds the routes' gradients
+PHIMOE = {**PRESETS["llama-tiny"], "model_type": "phimoe", "num_local_experts": 4, "num_experts_per_tok": 2,
+          "intermediate_size": 32, "input_jitter_noise": 0.1}
+TOP2 = {"num_experts_per_tok": 2}
 
 
-def mixtral_steps(plan_json: str | None, config: dict[str, Any] = MIXTRAL) -> dict[str, Any]:
-    """Three AdamW steps; the losses and the experts' first gradients, whole, and the
-    elements of each expert parameter this rank holds."""
+def moe_steps(plan_json: str | None, config: dict[str, Any] = MIXTRAL, experts: str = "grouped_mm",
+              ) -> dict[str, Any]:
+    """Three AdamW steps with the experts on ``experts`` (bf16 for the grouped GEMM, else
+    fp32); the losses, the first step's gradients, whole, and the elements of each
+    expert parameter this rank holds."""
     executor.rng.manual_seed(SEED)
-    model = build_model(load_config(config), device="cpu").to(torch.bfloat16).train()
+    cfg = load_config(config)
+    cfg._experts_implementation = experts
+    model = build_model(cfg, device="cpu").to(torch.bfloat16 if experts == "grouped_mm" else torch.float32)
+    model.train()
     if plan_json is not None:
         model = executor.apply(Plan.from_json(plan_json), model)
     held = {n: (p.to_local() if isinstance(p, DTensor) else p).numel()
@@ -454,37 +464,85 @@ def mixtral_steps(plan_json: str | None, config: dict[str, Any] = MIXTRAL) -> di
     for x, _ in batches(Case("llama"))[:3]:
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
-        grads = grads or _full({n: p.grad for n, p in model.named_parameters() if ".experts." in n})
+        grads = grads or _full({n: p.grad for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return {"losses": losses, "grads": grads, "held": held}
 
 
-@pytest.mark.parametrize(("config", "checkpointing"), [
-    (MIXTRAL, "none"), (QWEN3_MOE, "none"), (QWEN2_MOE, "none"), (OLMOE, "none"), (GRANITEMOE, "none"),
-    # recomputed in backward, outside the forward's implicit_replication: the experts'
-    # inv_perm[perm] = arange(...) mixed a plain tensor with DTensors (black-box review)
-    (OLMOE, "full"), (QWEN2_MOE, "selective")],
-    ids=["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "olmoe-full", "qwen2_moe-selective"])
-def test_mixtral_experts_column_then_row_parallel_match_single_device(config: dict[str, Any],
-                                                                      checkpointing: str) -> None:
-    """The hand layout's experts (gate_up_proj split by its 2 x ffn outputs, so the gate
+def _moe_reference(config: dict[str, Any], experts: str) -> dict[str, Any]:
+    try:
+        return moe_steps(None, config, experts)
+    finally:
+        executor.rng.deactivate()
+
+
+def _tp_experts_plan(config: dict[str, Any], checkpointing: str = "none") -> Plan:
+    """The hand layout's experts: gate_up_proj split by its 2 x ffn outputs, so the gate
     and up halves land on different ranks before the model's ``chunk(2)``; down_proj by
-    its ffn inputs, a pending sum out) train as on one device."""
+    its ffn inputs, a pending sum out."""
     plan = planner.hand_plan(config, devices=2, profile="cpu-gloo-local", tp=2, batch_size=BATCH,
                              seq_len=SEQ, checkpointing=checkpointing)
     assert {(p.fqn.rsplit(".", 1)[-1], tuple(p.placements)) for p in plan.parameters if ".experts." in p.fqn} == {
         ("gate_up_proj", ("R", "S(1)")), ("down_proj", ("R", "S(2)"))}
-    try:
-        ref = mixtral_steps(None, config)
-    finally:
-        executor.rng.deactivate()
-    got = run_on_ranks(2, mixtral_steps, plan.to_json(), config)[0]
+    return plan
+
+
+@pytest.mark.parametrize("config", [
+    {**MIXTRAL, **TOP2}, {**QWEN3_MOE, **TOP2}, {**QWEN2_MOE, **TOP2}, {**OLMOE, **TOP2}, {**GRANITEMOE, **TOP2},
+    PHIMOE], ids=["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "phimoe"])
+def test_experts_split_over_tp_train_as_on_one_device(config: dict[str, Any]) -> None:
+    """In fp32, every gradient (routers', shared experts' and norms' too) matches one
+    device's to float32 rounding, routing 2 tokens of 4.  Before session 25 PhiMoE's
+    router gradient came out 21x one device's (DTensor's in-place scatter_add_ on
+    pending sums: executor.dtensor_rules) and its routes were drawn by torch's generator
+    (exponential_, now executor.rng's)."""
+    plan = _tp_experts_plan(config)
+    ref = _moe_reference(config, "batched_mm")
+    got = run_on_ranks(2, moe_steps, plan.to_json(), config, "batched_mm")[0]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    assert got["grads"].keys() == ref["grads"].keys()
+    for name, grad in ref["grads"].items():
+        miss = (got["grads"][name] - grad).norm() / grad.norm()
+        assert miss < 1e-5, (name, miss)
+
+
+@pytest.mark.parametrize(("config", "checkpointing"), [
+    (MIXTRAL, "none"),
+    # recomputed in backward, outside the forward's implicit_replication: the experts'
+    # inv_perm[perm] = arange(...) mixed a plain tensor with DTensors (black-box review)
+    (OLMOE, "full"), (QWEN2_MOE, "selective")],
+    ids=["mixtral", "olmoe-full", "qwen2_moe-selective"])
+def test_grouped_gemm_experts_split_over_tp_match_single_device(config: dict[str, Any], checkpointing: str) -> None:
+    """The experts on torch's grouped GEMM, in bf16, every token routed to every expert:
+    with fewer, bf16 rounding flips near-tied routes between two runs, on one device too,
+    which moves a layer's expert gradients by ~5%."""
+    plan = _tp_experts_plan(config, checkpointing)
+    ref = _moe_reference(config, "grouped_mm")
+    got = run_on_ranks(2, moe_steps, plan.to_json(), config)[0]
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=0)
     for name, grad in ref["grads"].items():  # bf16: sums in another order, 0.7% apart (each 0.75% from fp32)
-        miss = (got["grads"][name].float() - grad.float()).norm() / grad.float().norm()
-        assert miss < 1e-2, (name, miss)
+        if ".experts." in name:
+            miss = (got["grads"][name].float() - grad.float()).norm() / grad.float().norm()
+            assert miss < 1e-2, (name, miss)
+
+
+@pytest.mark.parametrize("layout", [{"dp": 2, "microbatches": 2}, {"pp": 2, "microbatches": 2}],
+                         ids=["dp2-parts2", "pp2"])
+def test_routers_drawing_on_flattened_tokens_match_single_device(layout: dict[str, int]) -> None:
+    """PhiMoE's Gumbel routing and Mixtral's router_jitter_noise draw on tensors whose
+    dim 0 folds the batch with the sequence ([batch * seq, ...]).  Each rank's rows of
+    those were drawn as a tensor of their own, so data parallelism, micro-batches and
+    pipeline stages trained on other routes than one device (apply warned for the
+    jitter); executor.rng now takes dim 0 as folded rows."""
+    mixtral = {**MIXTRAL, **TOP2, "router_jitter_noise": 0.1}
+    for config in (PHIMOE, mixtral):
+        plan = planner.hand_plan(config, devices=2, profile="cpu-gloo-local", batch_size=BATCH, seq_len=SEQ,
+                                 **layout)
+        ref = _moe_reference(config, "batched_mm")
+        got = run_on_ranks(2, moe_steps, plan.to_json(), config, "batched_mm")[0]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
 
 
 def first_losses(configs: list[dict[str, Any]]) -> list[float]:
@@ -493,7 +551,7 @@ def first_losses(configs: list[dict[str, Any]]) -> list[float]:
     out = []
     for config in configs:
         plan = planner.hand_plan(config, devices=2, profile="cpu-gloo-local", tp=2, batch_size=BATCH, seq_len=SEQ)
-        out.append(mixtral_steps(plan.to_json(), config)["losses"][0])
+        out.append(moe_steps(plan.to_json(), config)["losses"][0])
     executor.rng.deactivate()
     return out
 
@@ -504,10 +562,7 @@ def test_models_with_other_top_k_train_one_after_another() -> None:
     failed in the experts ("value tensor of shape [512] cannot be broadcast to ... [256]";
     black-box review).  executor.apply keys topk by k."""
     configs = [OLMOE, {**OLMOE, "num_experts_per_tok": 2}, {**OLMOE, "num_experts_per_tok": 3}]
-    try:
-        reference = [mixtral_steps(None, config)["losses"][0] for config in configs]
-    finally:
-        executor.rng.deactivate()
+    reference = [_moe_reference(config, "grouped_mm")["losses"][0] for config in configs]
     got = run_on_ranks(2, first_losses, configs)[0]
     # bf16, and with fewer routes than experts near-tied routes may flip: the first loss only
     torch.testing.assert_close(torch.tensor(got), torch.tensor(reference), rtol=1e-3, atol=0)
@@ -558,10 +613,7 @@ def test_fsdp_cuts_fewer_experts_than_ranks_across_their_rows() -> None:
                              seq_len=SEQ)
     assert {p.fqn: p.placements for p in plan.parameters if ".experts." in p.fqn} == {
         "model.layers.*.mlp.experts.gate_up_proj": ["S(1)"], "model.layers.*.mlp.experts.down_proj": ["S(1)"]}
-    try:
-        ref = mixtral_steps(None, config)
-    finally:
-        executor.rng.deactivate()
+    ref = _moe_reference(config, "grouped_mm")
     # beside tensor parallelism on dim 1 (gate_up_proj) or 2 (down_proj), FSDP takes the other
     both = planner.hand_plan(config, devices=4, profile="cpu-gloo-local", dp=2, tp=2, fsdp=True, batch_size=BATCH,
                              seq_len=SEQ)
@@ -569,13 +621,14 @@ def test_fsdp_cuts_fewer_experts_than_ranks_across_their_rows() -> None:
         "model.layers.*.mlp.experts.gate_up_proj": ["S(2)", "S(1)"],
         "model.layers.*.mlp.experts.down_proj": ["S(1)", "S(2)"]}
     for ranks, layout in ((2, plan), (4, both)):
-        got = run_on_ranks(ranks, mixtral_steps, layout.to_json(), config)
+        got = run_on_ranks(ranks, moe_steps, layout.to_json(), config)
         for rank in got:
             assert rank["held"] == {n: numel // ranks for n, numel in ref["held"].items()}, rank["held"]
         torch.testing.assert_close(torch.tensor(got[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=0)
         for name, grad in ref["grads"].items():
-            miss = (got[0]["grads"][name].float() - grad.float()).norm() / grad.float().norm()
-            assert miss < 1e-2, (ranks, name, miss)
+            if ".experts." in name:  # (one expert: the router's gradient is 0)
+                miss = (got[0]["grads"][name].float() - grad.float()).norm() / grad.float().norm()
+                assert miss < 1e-2, (ranks, name, miss)
 
 
 def test_dropout_is_on_in_the_reference(references: dict) -> None:
@@ -669,33 +722,6 @@ def test_float32_experts_split_over_tp_are_refused_naming_the_dtype() -> None:
     msg = _refused(plan, build_model(load_config(OLMOE), device="meta"))
     assert ("model.layers.0.mlp.experts.gate_up_proj (and 3 more): float32 experts split over the model dims; "
             "torch's grouped GEMM under DTensor takes bfloat16 only") in msg
-
-
-def batched_experts_losses(plan_json: str | None) -> list[float]:
-    """Two float32 steps of OLMOE with its experts computed by batched matmuls."""
-    executor.rng.manual_seed(SEED)
-    config = load_config(OLMOE)
-    config._experts_implementation = "batched_mm"
-    model = build_model(config, device="cpu").train()
-    if plan_json is not None:
-        model = executor.apply(Plan.from_json(plan_json), model)
-    losses = []
-    for x, _ in batches(Case("llama"))[:2]:
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        losses.append(loss.item())
-    executor.rng.deactivate()
-    return losses
-
-
-def test_float32_experts_without_the_grouped_gemm_are_not_refused() -> None:
-    """Only the grouped GEMM takes bfloat16 alone: experts computed with batched matmuls
-    train in float32 under tensor parallelism as on one device (review: the refusal above
-    first caught them too)."""
-    plan = planner.hand_plan(OLMOE, devices=2, profile="cpu-gloo-local", tp=2, batch_size=BATCH, seq_len=SEQ)
-    reference = batched_experts_losses(None)
-    got = run_on_ranks(2, batched_experts_losses, plan.to_json())[0]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(reference), rtol=1e-5, atol=0)
 
 
 def test_replicated_parameter_on_a_fully_shard_dim() -> None:

@@ -93,6 +93,7 @@ def test_llama3_8b_training_flops_match_6nt_plus_attention():
       "layer_types": ["sliding_attention", "full_attention"] * 6}, 0.5),
     ({"model_type": "qwen2_moe", "use_sliding_window": True, "max_window_layers": 6, "num_experts": 4,
       "num_experts_per_tok": 2, "moe_intermediate_size": 32}, 0.25),  # the even layers below 6: 0, 2, 4
+    ({"model_type": "phimoe", "num_local_experts": 4, "num_experts_per_tok": 2}, 1.0),  # one mask, as Mixtral
 ])
 def test_sliding_window_attention_is_priced_as_the_masked_kernel_runs_it(config: dict, sliding: float) -> None:
     """From a sequence as long as the window, Hugging Face hands SDPA the window's mask and
