@@ -27,7 +27,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3", "gemma", "gemma3_text",
                          "olmo", "granite", "starcoder2", "gpt_neox", "phi", "phi3", "cohere", "stablelm",
                          "olmo2", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gemma2", "glm", "glm4",
-                         "helium", "nemotron", "exaone4", "smollm3", "ministral", "phimoe")
+                         "helium", "nemotron", "exaone4", "smollm3", "ministral", "phimoe", "ernie4_5",
+                         "ernie4_5_moe", "seed_oss", "hunyuan_v1_dense", "arcee")
 # Model types transformers builds only with eager attention: Gemma 2's logit soft-capping
 # is refused by SDPA (its ``_supports_sdpa`` is False).
 _EAGER_ATTENTION = ("gemma2",)

@@ -70,6 +70,10 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
                 TP_SP_FSDP),  # q/k normed per head, local and global layers
     "smollm3": ("smollm3", {"no_rope_layer_interval": 2, **TOKENS}, TP_SP_FSDP),  # layers without rotary
     "ministral": ("ministral", {"head_dim": 8, "sliding_window": 8, **TOKENS}, TP_SP_FSDP),
+    "ernie4_5": ("ernie4_5", {"head_dim": 8, **TOKENS}, TP_SP_FSDP),  # tied, interleaved rotary
+    "seed_oss": ("seed_oss", {"head_dim": 8, "residual_dropout": 0.1, **TOKENS}, TP_SP_FSDP),  # q/k/v biases
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", {"head_dim": 8, **TOKENS}, TP_SP_FSDP),  # q and k normed per head
+    "arcee": ("arcee", {"head_dim": 8, **TOKENS}, TP_SP_FSDP),  # relu^2 MLP without a gate
 }
 
 
@@ -117,8 +121,9 @@ def runs() -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def test_every_model_type_is_covered() -> None:
-    # the others in tests/test_executor.py (the MoE ones in bf16) and test_pipeline.py
-    others = {"llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"}
+    # the others in tests/test_executor.py (the MoE ones) and test_pipeline.py
+    others = {"llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
+              "phimoe", "ernie4_5_moe"}
     assert {model_type for model_type, _, _ in CASES.values()} | others == set(SUPPORTED_MODEL_TYPES)
 
 

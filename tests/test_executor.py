@@ -442,6 +442,10 @@ GRANITEMOE = {**PRESETS["llama-tiny"], "model_type": "granitemoe", "num_local_ex
 # the [batch * seq, experts] scores), and its backward scatter_adds the routes' gradients
 PHIMOE = {**PRESETS["llama-tiny"], "model_type": "phimoe", "num_local_experts": 4, "num_experts_per_tok": 2,
           "intermediate_size": 32, "input_jitter_noise": 0.1}
+# ERNIE 4.5 MoE: a shared expert, a dense first layer, a router scored with a bias
+ERNIE_MOE = {**PRESETS["llama-tiny"], "model_type": "ernie4_5_moe", "head_dim": 8, "moe_intermediate_size": 32,
+             "moe_num_experts": 4, "moe_k": 2, "moe_layer_start_index": 1, "moe_num_shared_experts": 1,
+             "tie_word_embeddings": False}
 TOP2 = {"num_experts_per_tok": 2}
 
 
@@ -464,7 +468,7 @@ def moe_steps(plan_json: str | None, config: dict[str, Any] = MIXTRAL, experts: 
     for x, _ in batches(Case("llama"))[:3]:
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
-        grads = grads or _full({n: p.grad for n, p in model.named_parameters()})
+        grads = grads or _full({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -491,7 +495,7 @@ def _tp_experts_plan(config: dict[str, Any], checkpointing: str = "none") -> Pla
 
 @pytest.mark.parametrize("config", [
     {**MIXTRAL, **TOP2}, {**QWEN3_MOE, **TOP2}, {**QWEN2_MOE, **TOP2}, {**OLMOE, **TOP2}, {**GRANITEMOE, **TOP2},
-    PHIMOE], ids=["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "phimoe"])
+    PHIMOE, ERNIE_MOE], ids=["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "phimoe", "ernie4_5_moe"])
 def test_experts_split_over_tp_train_as_on_one_device(config: dict[str, Any]) -> None:
     """In fp32, every gradient (routers', shared experts' and norms' too) matches one
     device's to float32 rounding, routing 2 tokens of 4.  Before session 25 PhiMoE's
