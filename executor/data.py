@@ -77,7 +77,7 @@ class DataParallelBatch:
                 f"batch: the global batch {batch} is not divisible by the data-parallel size {self.size}"
             )
         n = batch // self.size
-        self._local_batch = n
+        self._local_batch = self._random.rows = n
         if self.counts_tokens:
             kwargs = self._items_per_rank(kwargs)
         return narrow_rows((args, kwargs), batch, self.index * n, n)
@@ -240,22 +240,25 @@ class _SlicedRandomness:
     (rng.redirected), and it calls rng's public ``dropout``/``sdpa``/``draw`` on a view
     whose dim 0 is the global batch (``Shard(0)`` on each data-parallel dim, then the
     tensor's own model-mesh placements): the view shares the slice's storage, so no rank
-    gathers anything.  Dim 0 is taken as the batch rows, or the rows folded with the
-    dims after them, batch outermost (an MoE router's ``[batch * seq, experts]`` scores,
-    whose Gumbel draws PhiMoE makes): ``Shard(0)`` of that global tensor is this slice.
+    gathers anything.  For the input-following draws, a dim 0 of ``k`` times the rank's
+    rows is taken as the rows folded with the dims after them, batch outermost (an MoE
+    router's ``[batch * seq, experts]`` scores, on which PhiMoE makes its Gumbel draws):
+    ``Shard(0)`` of that global tensor is this slice.  Other tensors draw as on one device.
     (It used to be a torch-function mode of its own above rng's, which made every op of
     the forward pass through one more Python frame.)"""
 
     def __init__(self, mesh: DeviceMesh, data_dims: int) -> None:
         self.mesh, self.data_dims = mesh, data_dims
+        self.rows = 1  # the rank's batch rows, set by each slice
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func in rng.FOLLOW_INPUT:  # *_like, bernoulli, in-place fills
             t = args[0] if args else None
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                return rng.draw(func, args, kwargs)
-            out = rng.draw(func, (self._global(t), *args[1:]), kwargs)
-            return t if func.__name__.endswith("_") else self._back(out, t)  # the view shares t's storage
+            if not (isinstance(t, torch.Tensor) and t.dim() and t.shape[0] % self.rows == 0) or "out" in kwargs:
+                return rng.draw(func, args, kwargs)  # not the batch's rows: as on one device
+            if func.__name__.endswith("_"):  # drawn apart and copied in, so that autograd sees the fill
+                return t.copy_(self._back(rng.draw(func, (self._global(torch.empty_like(t)), *args[1:]), kwargs), t))
+            return self._back(rng.draw(func, (self._global(t), *args[1:]), kwargs), t)
         if func is F.dropout or func is torch.dropout:
             a = _bind_dropout(func, args, kwargs)
             if not a["training"] or a["p"] == 0.0:
