@@ -28,10 +28,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3"
                          "olmo", "granite", "starcoder2", "gpt_neox", "phi", "phi3", "cohere", "stablelm",
                          "olmo2", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gemma2", "glm", "glm4",
                          "helium", "nemotron", "exaone4", "smollm3", "ministral", "phimoe", "ernie4_5",
-                         "ernie4_5_moe", "seed_oss", "hunyuan_v1_dense", "arcee")
-# Model types transformers builds only with eager attention: Gemma 2's logit soft-capping
-# is refused by SDPA (its ``_supports_sdpa`` is False).
-_EAGER_ATTENTION = ("gemma2",)
+                         "ernie4_5_moe", "seed_oss", "hunyuan_v1_dense", "arcee", "gpt_oss",
+                         "deepseek_v3")
+# Model types transformers builds only with eager attention (``_supports_sdpa`` False):
+# Gemma 2's logit soft-capping, GPT-OSS's attention sinks.
+_EAGER_ATTENTION = ("gemma2", "gpt_oss")
 # Model types whose modelling code reads head_dim as given: a null one is not derived
 # (Ministral's attention computes ``None ** -0.5``).
 _HEAD_DIM_GIVEN = ("ministral",)

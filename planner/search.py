@@ -94,7 +94,7 @@ Progress = Callable[[str], None]
 # query_key_value holds each head's q, k and v together, so a column split keeps heads
 # whole).  Everything else stays replicated.
 _COLWISE = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc|w1|w3|lm_head|query_key_value|"
-                      r"dense_h_to_4h|fc1|embed_out)$")
+                      r"dense_h_to_4h|fc1|embed_out|q_b_proj|kv_b_proj)$")  # DeepSeek's up-projections by head
 _ROWWISE = re.compile(r"(o_proj|down_proj|c_proj|w2|embed_tokens|wte|dense|dense_4h_to_h|fc2|embed_in)$")
 
 
@@ -568,9 +568,13 @@ def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
             continue
         if u.kind == "anchor" and d["short"] != "scaled_dot_product_attention":
             in_shape, out_shape = _boundary_shapes(graph, key)
-            inp = ([*_lead(cand), *(concrete(x, in_shape, seq) for x in c.inp)]
-                   if d["short"] != "embedding" else None)
-            outp = [*_lead(cand), *(concrete(x, out_shape, seq) for x in _settled(graph, cand, unit_of, key))]
+
+            def at(x: str, shape: tuple[int, ...], linear: bool = d["short"] in ("linear", "addmm")) -> str | None:
+                # a linear's features are its last dim, whatever its rank (DeepSeek's kv_b_proj
+                # reads a 4-D latent [b, 1, s, r], which concrete takes for attention's heads)
+                return f"S({len(shape) - 1})" if linear and x == "H" and len(shape) >= 2 else concrete(x, shape, seq)
+            inp = [*_lead(cand), *(at(x, in_shape) for x in c.inp)] if d["short"] != "embedding" else None
+            outp = [*_lead(cand), *(at(x, out_shape) for x in _settled(graph, cand, unit_of, key))]
             pat = fqn_pattern(u.module)
             first = out.get(pat)
             out[pat] = ModuleLayout(module=pat, input=first.input if first else inp, output=outp)

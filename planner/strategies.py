@@ -317,8 +317,9 @@ def _output_bytes(ctx: Context, node: dict) -> float:
     return node["out_numel"] * node["itemsize"] * ctx.bytes_scale * ctx.microbatch
 
 
-def weight_placement(kind: str, op: str, arg: int, shape: Sequence[int]) -> str:
-    """Placement on one mesh dim of a parameter at argument ``arg`` of anchor ``op``."""
+def weight_placement(kind: str, op: str, arg: int, shape: Sequence[int], swapped: bool) -> str:
+    """Placement on one mesh dim of a parameter at argument ``arg`` of anchor ``op``;
+    ``swapped``: the parameter reaches a grouped GEMM with its last two dims swapped."""
     if kind in ("data", "seq", "rep"):
         return "R"
     if op == "linear":  # weight [out, in], bias [out]
@@ -327,8 +328,8 @@ def weight_placement(kind: str, op: str, arg: int, shape: Sequence[int]) -> str:
         return ("S(1)" if kind == "col" else "S(0)") if arg == 2 else ("S(0)" if kind == "col" else "R")
     if op == "embedding":  # weight [vocab, hidden]: col shards hidden, row shards vocab
         return "S(1)" if kind == "col" else "S(0)"
-    if op == "grouped_mm":  # weight [experts, out, in]
-        return "S(1)" if kind == "col" else "S(2)"
+    if op == "grouped_mm":  # the op takes [experts, in, out]: stored [experts, out, in] when swapped
+        return ("S(1)" if kind == "col" else "S(2)") if swapped else ("S(2)" if kind == "col" else "S(1)")
     return "R"
 
 
@@ -473,7 +474,8 @@ def anchor_choices(ctx: Context, graph: nx.DiGraph, node: str, mult: float,
         ok = True
         for arg, fqn in d["params"].items():
             pshape = graph.graph["param_shapes"][fqn]
-            pl = tuple("R" if i not in kinds else weight_placement(kinds[i], op, arg, pshape)
+            pl = tuple("R" if i not in kinds else weight_placement(kinds[i], op, arg, pshape,
+                                                                   arg in d["params_swapped"])
                        for i in range(len(ctx.mesh_shape)))
             for n, p in zip(ctx.mesh_shape, pl):
                 if p.startswith("S(") and pshape[int(p[2:-1])] % n:

@@ -222,14 +222,31 @@ def _truncated(config: PretrainedConfig, layers: int) -> PretrainedConfig:
     return small
 
 
-def _param_behind_views(arg: fx.Node, sig: Any, param_of: Mapping[str, str]) -> str | None:
-    """The parameter an argument is, directly or through views (MoE experts arrive
-    transposed), so its memory and placement are charged to the op that uses it."""
+def _param_behind_views(arg: fx.Node, sig: Any, param_of: Mapping[str, str]) -> tuple[str, bool] | None:
+    """The parameter an argument is, directly or through views, so its memory and
+    placement are charged to the op that uses it; and whether the views swap its last two
+    dims (Mixtral's experts, stored [experts, out, in], reach the grouped GEMM transposed;
+    GPT-OSS's, stored [experts, in, out], as they are)."""
+    swapped = False
     while arg.op == "call_function" and _short(_op_name(arg)) in _VIEW_OPS and arg.args:
         if not isinstance(arg.args[0], fx.Node):
             return None
+        swapped ^= _swaps_last_two(arg)
         arg = arg.args[0]
-    return param_of[arg.name] if arg.name in sig.inputs_to_parameters else None
+    return (param_of[arg.name], swapped) if arg.name in sig.inputs_to_parameters else None
+
+
+def _swaps_last_two(view: fx.Node) -> bool:
+    rank = len(view.meta["val"].shape) if isinstance(view.meta.get("val"), torch.Tensor) else 0
+    short = _short(_op_name(view))
+    if short == "t":
+        return True
+    if short == "transpose" and rank >= 2:
+        return {int(d) % rank for d in view.args[1:3]} == {rank - 2, rank - 1}
+    if short == "permute" and rank >= 2:
+        perm = [int(d) % rank for d in view.args[1]]
+        return perm[-2:] == [rank - 1, rank - 2]
+    return False
 
 
 def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
@@ -296,8 +313,9 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
             nbytes = 2.0 * _nbytes(logits)
             bwd_bytes = 4.0 * _nbytes(logits)
             trans = (float(logits.numel()), float(logits.numel()))
-        params = {i: fqn for i, a in enumerate(node.args)
-                  if isinstance(a, fx.Node) and (fqn := _param_behind_views(a, sig, param_of))}
+        behind = {i: found for i, a in enumerate(node.args)
+                  if isinstance(a, fx.Node) and (found := _param_behind_views(a, sig, param_of))}
+        params = {i: fqn for i, (fqn, _) in behind.items()}
         graph.add_node(
             node.name, kind="call_function", op=op, short=short,
             in_shapes=[tuple(t.shape) for t in ins], in_nodes=in_nodes,
@@ -311,7 +329,8 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
             out_numel=sum(t.numel() for t in outs),
             fwd_flops=fwd, bwd_flops=fwd * _BWD_FACTOR.get(short, 1.0), bytes=nbytes,
             bwd_bytes=bwd_bytes, fwd_trans=float(trans[0]), bwd_trans=float(trans[1]),
-            params=params, module=module, layer=layer[1] if layer else None,
+            params=params, params_swapped={i for i, (_, swapped) in behind.items() if swapped},
+            module=module, layer=layer[1] if layer else None,
             op_dims=_op_dims(node, ins[0].dim()) if ins else None,
         )
         for a in arg_nodes:

@@ -446,7 +446,26 @@ PHIMOE = {**PRESETS["llama-tiny"], "model_type": "phimoe", "num_local_experts": 
 ERNIE_MOE = {**PRESETS["llama-tiny"], "model_type": "ernie4_5_moe", "head_dim": 8, "moe_intermediate_size": 32,
              "moe_num_experts": 4, "moe_k": 2, "moe_layer_start_index": 1, "moe_num_shared_experts": 1,
              "tie_word_embeddings": False}
+# GPT-OSS: experts stored [experts, in, out] with biases, attention sinks (eager attention)
+GPT_OSS = {**PRESETS["llama-tiny"], "model_type": "gpt_oss", "intermediate_size": 32, "head_dim": 8,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8, "attention_bias": True,
+           "layer_types": ["sliding_attention", "full_attention"], "swiglu_limit": 7.0,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+# DeepSeek-V3: low-rank q and kv projections (q_b_proj, kv_b_proj split by head), a dense
+# first layer, a shared expert, routes limited to 1 group of 2
+DEEPSEEK_V3 = {**PRESETS["llama-tiny"], "model_type": "deepseek_v3", "num_key_value_heads": 4,
+               "num_hidden_layers": 3, "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+               "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+               "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+               "v_head_dim": 8, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "rope_interleave": True}
 TOP2 = {"num_experts_per_tok": 2}
+# The hand layout's experts: gate_up_proj split by its 2 x ffn outputs, so the gate and up
+# halves land on different ranks before the model's chunk(2); down_proj by its ffn inputs,
+# a pending sum out.  Stored [experts, out, in], or [experts, in, out] (GPT-OSS, whose
+# expert biases stay whole)
+COLUMN_THEN_ROW = {("gate_up_proj", ("R", "S(1)")), ("down_proj", ("R", "S(2)"))}
+GPT_OSS_SPLIT = {("gate_up_proj", ("R", "S(2)")), ("down_proj", ("R", "S(1)")),
+                 ("gate_up_proj_bias", ("R", "R")), ("down_proj_bias", ("R", "R"))}
 
 
 def moe_steps(plan_json: str | None, config: dict[str, Any] = MIXTRAL, experts: str = "grouped_mm",
@@ -482,27 +501,34 @@ def _moe_reference(config: dict[str, Any], experts: str) -> dict[str, Any]:
         executor.rng.deactivate()
 
 
-def _tp_experts_plan(config: dict[str, Any], checkpointing: str = "none") -> Plan:
-    """The hand layout's experts: gate_up_proj split by its 2 x ffn outputs, so the gate
-    and up halves land on different ranks before the model's ``chunk(2)``; down_proj by
-    its ffn inputs, a pending sum out."""
+def _tp_experts_plan(config: dict[str, Any], checkpointing: str = "none",
+                     split: set[tuple[str, tuple[str, ...]]] = COLUMN_THEN_ROW) -> Plan:
     plan = planner.hand_plan(config, devices=2, profile="cpu-gloo-local", tp=2, batch_size=BATCH,
                              seq_len=SEQ, checkpointing=checkpointing)
-    assert {(p.fqn.rsplit(".", 1)[-1], tuple(p.placements)) for p in plan.parameters if ".experts." in p.fqn} == {
-        ("gate_up_proj", ("R", "S(1)")), ("down_proj", ("R", "S(2)"))}
+    assert {(p.fqn.rsplit(".", 1)[-1], tuple(p.placements)) for p in plan.parameters
+            if ".experts." in p.fqn} == split
     return plan
 
 
-@pytest.mark.parametrize("config", [
-    {**MIXTRAL, **TOP2}, {**QWEN3_MOE, **TOP2}, {**QWEN2_MOE, **TOP2}, {**OLMOE, **TOP2}, {**GRANITEMOE, **TOP2},
-    PHIMOE, ERNIE_MOE], ids=["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "phimoe", "ernie4_5_moe"])
-def test_experts_split_over_tp_train_as_on_one_device(config: dict[str, Any]) -> None:
+@pytest.mark.parametrize(("config", "split"), [
+    ({**MIXTRAL, **TOP2}, COLUMN_THEN_ROW), ({**QWEN3_MOE, **TOP2}, COLUMN_THEN_ROW),
+    ({**QWEN2_MOE, **TOP2}, COLUMN_THEN_ROW), ({**OLMOE, **TOP2}, COLUMN_THEN_ROW),
+    ({**GRANITEMOE, **TOP2}, COLUMN_THEN_ROW), (PHIMOE, COLUMN_THEN_ROW), (ERNIE_MOE, COLUMN_THEN_ROW),
+    (GPT_OSS, GPT_OSS_SPLIT), (DEEPSEEK_V3, COLUMN_THEN_ROW)],
+    ids=["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "phimoe", "ernie4_5_moe", "gpt_oss",
+         "deepseek_v3"])
+def test_experts_split_over_tp_train_as_on_one_device(config: dict[str, Any],
+                                                      split: set[tuple[str, tuple[str, ...]]]) -> None:
     """In fp32, every gradient (routers', shared experts' and norms' too) matches one
     device's to float32 rounding, routing 2 tokens of 4.  Before session 25 PhiMoE's
     router gradient came out 21x one device's (DTensor's in-place scatter_add_ on
     pending sums: executor.dtensor_rules) and its routes were drawn by torch's generator
     (exponential_, now executor.rng's)."""
-    plan = _tp_experts_plan(config)
+    plan = _tp_experts_plan(config, split=split)
+    tp = plan.mesh.names.index("tp")
+    whole = [p.fqn for p in plan.parameters if ".layers." in p.fqn and p.fqn.endswith("proj.weight")
+             and "_a_proj" not in p.fqn and p.placements[tp] == "R"]  # (DeepSeek's down-projections stay whole)
+    assert not whole, whole
     ref = _moe_reference(config, "batched_mm")
     got = run_on_ranks(2, moe_steps, plan.to_json(), config, "batched_mm")[0]
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
@@ -535,11 +561,12 @@ def test_grouped_gemm_experts_split_over_tp_match_single_device(config: dict[str
 @pytest.mark.parametrize("layout", [{"dp": 2, "microbatches": 2}, {"pp": 2, "microbatches": 2}],
                          ids=["dp2-parts2", "pp2"])
 def test_routers_drawing_on_flattened_tokens_match_single_device(layout: dict[str, int]) -> None:
-    """PhiMoE's Gumbel routing and Mixtral's router_jitter_noise draw on tensors whose
-    dim 0 folds the batch with the sequence ([batch * seq, ...]).  Each rank's rows of
-    those were drawn as a tensor of their own, so data parallelism, micro-batches and
-    pipeline stages trained on other routes than one device (apply warned for the
-    jitter); executor.rng now takes dim 0 as folded rows."""
+    """PhiMoE's Gumbel routing draws (exponential_, rand_like) on its [batch * seq,
+    experts] scores, and Mixtral's router_jitter_noise (uniform_ on [batch, seq,
+    hidden]) fills a tensor made inside the forward.  Under data parallelism both were
+    drawn from each rank's rows as a tensor of their own (apply warned for the jitter),
+    and in micro-batches and pipeline stages the folded scores were: other routes than
+    one device's.  They now draw the global batch's values for the rank's rows."""
     mixtral = {**MIXTRAL, **TOP2, "router_jitter_noise": 0.1}
     for config in (PHIMOE, mixtral):
         plan = planner.hand_plan(config, devices=2, profile="cpu-gloo-local", batch_size=BATCH, seq_len=SEQ,
@@ -570,6 +597,45 @@ def test_models_with_other_top_k_train_one_after_another() -> None:
     got = run_on_ranks(2, first_losses, configs)[0]
     # bf16, and with fewer routes than experts near-tied routes may flip: the first loss only
     torch.testing.assert_close(torch.tensor(got), torch.tensor(reference), rtol=1e-3, atol=0)
+
+
+class _Draws(nn.Module):
+    """Random draws inside a forward: a fill of an activation (autograd must see it: the
+    gradient through it is 0), noise on a tensor that is not the batch's rows, and noise
+    on the rows folded with the features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = (x * self.w * 2).uniform_()
+        return y + torch.rand(()) * 0, torch.rand_like(torch.zeros(5, 5)), torch.randn_like(x.flatten())
+
+
+def draws(plan_json: str | None) -> dict[str, Any]:
+    executor.rng.manual_seed(SEED)
+    model = _Draws()
+    if plan_json is not None:
+        model = executor.apply(Plan.from_json(plan_json), model)
+    y, noise, folded = model(torch.ones(4, 3))
+    y.sum().backward()
+    executor.rng.deactivate()
+    grad = model.w.grad
+    return {"grad": grad.full_tensor() if isinstance(grad, DTensor) else grad, "noise": noise, "folded": folded}
+
+
+def test_draws_inside_a_data_parallel_forward_follow_the_global_batch() -> None:
+    """Each rank draws the rows of one device's values for tensors of the batch's rows
+    (or those rows folded with the dims after them), one device's values for others, and
+    an in-place fill stays in autograd's view (review: drawn through the slice's view, it
+    was not, and the gradient through the filled tensor came out 2 instead of 0)."""
+    ref = draws(None)
+    got = run_on_ranks(2, draws, make_plan(_Draws(), {"dp": 2}, batch_size=4).to_json())
+    for rank, part in zip(got, ref["folded"].chunk(2), strict=True):
+        assert torch.equal(rank["grad"], torch.zeros(3)) and torch.equal(ref["grad"], torch.zeros(3))
+        assert torch.equal(rank["noise"], ref["noise"])
+        assert torch.equal(rank["folded"], part)  # the rank's 2 rows x 3 features, not gathered
 
 
 def scatter_add_in_place() -> dict[str, Any]:
