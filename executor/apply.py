@@ -554,7 +554,8 @@ def _linear_input(module: nn.Linear, args: tuple) -> tuple | None:
     redistribution happens inside the matmul's dispatch, autograd saves the input as it
     was, and backward plans the gradients afresh: measured on the sequence-parallel Llama,
     the vocabulary-parallel lm_head then computed its weight gradient for the whole
-    vocabulary (a 4x larger GEMM) with two extra collectives."""
+    vocabulary (a 4x larger GEMM) with two extra collectives.  On a torch whose DTensor
+    cannot flatten an input split by sequence, a replicated weight's input is gathered."""
     x = args[0] if args else None
     if not isinstance(x, DTensor) and not local_regions.active():
         return None
@@ -563,7 +564,9 @@ def _linear_input(module: nn.Linear, args: tuple) -> tuple | None:
         if not isinstance(t, DTensor):
             return t
         target = [Replicate() if isinstance(w, Shard) and w.dim == 0
-                  else Shard(t.ndim - 1) if isinstance(w, Shard) and w.dim == 1 else p
+                  else Shard(t.ndim - 1) if isinstance(w, Shard) and w.dim == 1
+                  else Replicate() if (not dtensor_rules.FLATTENS_INNER_SHARDS and isinstance(p, Shard)
+                                       and 0 < p.dim % t.ndim < t.ndim - 1) else p
                   for p, w in zip(t.placements, module.weight.placements, strict=True)]
         return t if target == list(t.placements) else t.redistribute(t.device_mesh, target)
 

@@ -15,6 +15,12 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
+# torch 2.11's DTensor cannot flatten dims of which a later one is sharded (a linear on a
+# [batch, seq, hidden] input split by sequence flattens batch and seq): "Attempted to
+# flatten multiple dimensions, with dimension 1 being sharded".  2.13 and 2.14 can (2.12
+# not tried).
+FLATTENS_INNER_SHARDS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+
 CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _CPU_SDPA_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 

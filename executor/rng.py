@@ -909,8 +909,10 @@ def sdpa(
         ))
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: attn_mask and is_causal cannot both be set")
-    if attn_mask is None and _heads_sharded_alike(query, key, value):
-        return _sdpa_on_shards(query, key, value, dropout_p, is_causal, scale, enable_gqa)
+    if _heads_sharded_alike(query, key, value):
+        mask = None if attn_mask is None else _mask_for_shards(attn_mask, query)
+        if attn_mask is None or mask is not None:
+            return _sdpa_on_shards(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa)
     return _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                       lambda weights: dropout(weights, dropout_p, training=True))
 
@@ -1033,17 +1035,52 @@ def _heads_sharded_alike(query: torch.Tensor, key: torch.Tensor, value: torch.Te
             and _splits_batch_and_heads(tensors, mesh.shape, placements))
 
 
+def _mask_for_shards(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor | None:
+    """The part of ``mask`` (aligned with the query's dims from the right, broadcast where
+    it has size 1) for the query's local shards, cut without communication; None where it
+    cannot be.  With a mask, the attention left to DTensor flattens batch and heads, which
+    torch 2.11's DTensor refuses where heads are split ("Attempted to flatten multiple
+    dimensions, with dimension 1 being sharded")."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = query.device_mesh, query.placements
+    if _is_dtensor(mask) and mask.device_mesh != mesh:
+        return None
+    own = mask.placements if _is_dtensor(mask) else [Replicate()] * mesh.ndim
+    part = mask.to_local() if _is_dtensor(mask) else mask
+    local, offset = compute_local_shape_and_global_offset(query.shape, mesh, placements)
+    lead = query.ndim - mask.ndim
+    cut: dict[int, bool] = {}  # per query dim split: whether the mask arrives cut as the query is
+    for p, m in zip(placements, own, strict=True):
+        if isinstance(p, Replicate):
+            if not isinstance(m, Replicate):
+                return None
+            continue
+        d = p.dim % query.ndim - lead  # the mask's dim, if any
+        whole = d < 0 or mask.shape[d] == 1  # broadcast over this query dim
+        alike = not whole and m == Shard(d)
+        if not (alike or isinstance(m, Replicate)) or cut.setdefault(d, alike) != alike:
+            return None
+    for d, alike in cut.items():
+        if d >= 0 and mask.shape[d] != 1 and not alike:
+            part = part.narrow(d, offset[d + lead], local[d + lead])
+    return part
+
+
 def _sdpa_on_shards(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    mask: torch.Tensor | None,
     dropout_p: float,
     is_causal: bool,
     scale: float | None,
     enable_gqa: bool,
 ) -> torch.Tensor:
-    """:func:`sdpa` on local shards (see :func:`_heads_sharded_alike`); the dropout mask of
-    the local probabilities is drawn for their place in the global scores tensor."""
+    """:func:`sdpa` on local shards (see :func:`_heads_sharded_alike`), ``mask`` their part
+    of the attention mask; the dropout mask of the local probabilities is drawn for their
+    place in the global scores tensor."""
     from torch.distributed.tensor import DTensor
 
     mesh, placements = query.device_mesh, query.placements
@@ -1054,7 +1091,7 @@ def _sdpa_on_shards(
 
     scores = (*query.shape[:-1], key.shape[-2])
     out = _attention(
-        query.to_local(), key.to_local(), value.to_local(), None, is_causal, scale, enable_gqa,
+        query.to_local(), key.to_local(), value.to_local(), mask, is_causal, scale, enable_gqa,
         lambda weights: dropout(wrap(weights, scores), dropout_p, training=True).to_local(),
     )
     return wrap(out, (*query.shape[:-1], value.shape[-1]))

@@ -90,6 +90,20 @@ def _attn_inputs() -> list[torch.Tensor]:
     return [_input(ATTN_SHAPE) * s for s in (1.0, -2.0, 3.0)]
 
 
+def _attn_masks() -> dict[str, torch.Tensor]:
+    """Boolean masks the shards cut or broadcast: per batch row (padding: row i's first i
+    keys hidden, every query keeps its own key), and per batch row and head."""
+    b, h, s, _ = ATTN_SHAPE
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    padded = causal & (torch.arange(s) >= torch.arange(b)[:, None, None])
+    per_head = causal & (torch.arange(s) >= (torch.arange(b * h) % 3).view(b, h, 1, 1))
+    return {"rows": padded[:, None] | torch.eye(s, dtype=torch.bool), "rows-heads": per_head | torch.eye(s, dtype=torch.bool)}
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.25)
+
+
 def _placements(mesh_ndim: int, ndim: int) -> list[tuple[str, ...]]:
     """Placements as strings ('R', 'S0', ...) so the parent process needs no mesh."""
     if mesh_ndim == 1:
@@ -173,6 +187,9 @@ def _rank_cases() -> dict:
         rng.manual_seed(SEED)
         q, k, v = (_distribute(t, meshes[mesh_name], spec) for t in _attn_inputs())
         results[("sdpa", mesh_name, spec)] = _record(_attention(q, k, v))
+        for mask_name, mask in _attn_masks().items():  # plain masks, cut to the shards
+            rng.manual_seed(SEED)
+            results[("sdpa-mask", mesh_name, spec, mask_name)] = _record(_masked_attention(q, k, v, mask))
     # torch's own RNG on the same sharded tensor, for the "could this test fail" check.
     with rng.suspended():
         torch.manual_seed(SEED)
@@ -245,12 +262,18 @@ def test_partial_dropout_sums_to_single_device(rank_results: list[dict]) -> None
 
 
 def test_attention_dropout_matches_single_device(rank_results: list[dict]) -> None:
-    expected, counter = _reference(lambda _: _attention(*_attn_inputs()), torch.empty(0))
+    expected = {"": _reference(lambda _: _attention(*_attn_inputs()), torch.empty(0))}
+    for name, mask in _attn_masks().items():
+        expected[name] = _reference(lambda _, mask=mask: _masked_attention(*_attn_inputs(), mask), torch.empty(0))
+    checked = 0
     for res in rank_results:
-        for key in [k for k in res if isinstance(k, tuple) and k[0] == "sdpa"]:
+        for key in [k for k in res if isinstance(k, tuple) and k[0] in ("sdpa", "sdpa-mask")]:
             local, offset, rank_counter = res[key]
-            assert torch.equal(local, _box(expected, local, offset)), key
+            full, counter = expected[key[3] if key[0] == "sdpa-mask" else ""]
+            assert torch.equal(local, _box(full, local, offset)), key
             assert rank_counter == counter
+            checked += 1
+    assert checked == 4 * 4 * 3
 
 
 def test_native_torch_rng_does_not_match(rank_results: list[dict]) -> None:
