@@ -794,6 +794,23 @@ def test_float32_experts_split_over_tp_are_refused_naming_the_dtype() -> None:
             "torch's grouped GEMM under DTensor takes bfloat16 only") in msg
 
 
+def test_what_torch_2_11_cannot_run_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's DTensor fails experts split over tp and eager attention split by heads
+    deep inside torch (a helper's run of the suite there); apply names them instead."""
+    monkeypatch.setattr(executor.dtensor_rules, "FLATTENS_INNER_SHARDS", False)
+    plan = planner.hand_plan(OLMOE, devices=2, profile="cpu-gloo-local", tp=2, batch_size=BATCH, seq_len=SEQ)
+    model = build_model(load_config(OLMOE), device="meta").to(torch.bfloat16)
+    assert re.search(r"model\.layers\.0\.mlp\.experts\.\w+: experts split over the model dims need torch >= "
+                     r"2\.13 \(torch [\d.]+'s DTensor has no rule", _refused(plan, model))
+    gemma2 = {**PRESETS["llama-tiny"], "model_type": "gemma2", "head_dim": 8}
+    plan = planner.hand_plan(gemma2, devices=2, profile="cpu-gloo-local", tp=2, batch_size=BATCH, seq_len=SEQ)
+    assert "self_attn.q_proj.weight: eager attention split by heads needs torch >= 2.13" in _refused(
+        plan, build_model(load_config(gemma2), device="meta"))
+    fsdp = planner.hand_plan(gemma2, devices=2, profile="cpu-gloo-local", dp=2, fsdp=True, batch_size=BATCH,
+                             seq_len=SEQ)
+    assert "torch >= 2.13" not in _refused(fsdp, build_model(load_config(gemma2), device="meta"))
+
+
 def test_replicated_parameter_on_a_fully_shard_dim() -> None:
     model = _llama()
     plan = make_plan(model, {"dp": 2}, fsdp=True)
