@@ -250,6 +250,7 @@ class _SlicedRandomness:
     def __init__(self, mesh: DeviceMesh, data_dims: int) -> None:
         self.mesh, self.data_dims = mesh, data_dims
         self.rows = 1  # the rank's batch rows, set by each slice
+        self._ranks = mesh.mesh.shape[:data_dims].numel()  # data-parallel ranks
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func in rng.FOLLOW_INPUT:  # *_like, bernoulli, in-place fills
@@ -277,8 +278,8 @@ class _SlicedRandomness:
             local, placements = t.to_local(), list(t.placements)
         else:
             local, placements = t, [Replicate()] * (self.mesh.ndim - self.data_dims)
-        return DTensor.from_local(local, self.mesh, [Shard(0)] * self.data_dims + placements,
-                                  run_check=False)
+        return _from_local(local, self.mesh, [Shard(0)] * self.data_dims + placements,
+                           torch.Size((t.shape[0] * self._ranks, *t.shape[1:])))
 
     def _back(self, out: DTensor, like: torch.Tensor) -> torch.Tensor:
         """``out``'s rank slice on ``like``'s mesh, with ``out``'s model-mesh placements:
@@ -286,8 +287,20 @@ class _SlicedRandomness:
         q, k and v on their heads)."""
         local = out.to_local()
         if isinstance(like, DTensor):
-            return DTensor.from_local(local, like.device_mesh, out.placements[self.data_dims:], run_check=False)
+            return _from_local(local, like.device_mesh, out.placements[self.data_dims:],
+                               torch.Size((out.shape[0] // self._ranks, *out.shape[1:])))
         return local
+
+
+def _from_local(local: torch.Tensor, mesh: DeviceMesh, placements: list, shape: torch.Size) -> DTensor:
+    """``DTensor.from_local`` told the global shape where the shard is contiguous: inferred
+    from the shard, it differs by rank for a dim split unevenly (15 over 2 ranks), and the
+    draws with it (review).  A non-contiguous shard (a slice of a wider tensor) keeps
+    DTensor's inference, uneven splits' shapes included: not seen in a model's activations."""
+    if not local.is_contiguous():
+        return DTensor.from_local(local, mesh, placements, run_check=False)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def _has_batch(v: Any, query: torch.Tensor) -> bool:

@@ -31,6 +31,7 @@ import executor
 import planner
 from cost_model.step import fsdp_step_gathers
 from executor import dtensor_rules
+from executor.data import DataParallelBatch
 from planner.presets import PRESETS, build_model, load_config
 from planner.schema import ParameterPlacement, Plan
 
@@ -636,6 +637,39 @@ def test_draws_inside_a_data_parallel_forward_follow_the_global_batch() -> None:
         assert torch.equal(rank["grad"], torch.zeros(3)) and torch.equal(ref["grad"], torch.zeros(3))
         assert torch.equal(rank["noise"], ref["noise"])
         assert torch.equal(rank["folded"], part)  # the rank's 2 rows x 3 features, not gathered
+
+
+def uneven_draws() -> dict[str, torch.Tensor]:
+    """Draws on a dp2 x tp2 rank's rows of a [4, 15, 4] activation split 8 + 7 over tp."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    batch = DataParallelBatch(mesh, ("dp",), ("tp",))
+    batch.slice((torch.zeros(4, 15),), {})  # the rank's 2 rows
+    rows = DTensor.from_local(torch.zeros(2, 15, 4).tensor_split(2, dim=1)[mesh.get_local_rank("tp")].contiguous(),
+                              mesh["tp"], [Shard(1)], run_check=False, shape=(2, 15, 4), stride=(60, 4, 1))
+    out = {}
+    for name, draw in (("dropout", lambda t: F.dropout(t + 1, 0.5)), ("rand_like", torch.rand_like),
+                       ("uniform_", lambda t: t.clone().uniform_())):
+        executor.rng.manual_seed(SEED)
+        with batch.randomness():
+            out[name] = draw(rows).to_local()
+    executor.rng.deactivate()
+    return {**out, "rank": torch.tensor([mesh.get_local_rank("dp"), mesh.get_local_rank("tp")])}
+
+
+def test_draws_on_an_uneven_split_under_data_parallelism_match_single_device() -> None:
+    """The global batch's view of a rank's slice was built without its global shape, which
+    DTensor inferred from the shard: 16 columns on one tp rank and 14 on the other for 15
+    split 8 + 7, so the draws differed from one device's and in-place fills failed (review)."""
+    reference = {}
+    for name, draw in (("dropout", lambda t: F.dropout(t + 1, 0.5)), ("rand_like", torch.rand_like),
+                       ("uniform_", lambda t: t.clone().uniform_())):
+        executor.rng.manual_seed(SEED)
+        reference[name] = draw(torch.zeros(4, 15, 4))
+    executor.rng.deactivate()
+    for rank in run_on_ranks(4, uneven_draws):
+        dp, tp = rank["rank"].tolist()
+        for name, full in reference.items():
+            assert torch.equal(rank[name], full[2 * dp:2 * dp + 2].tensor_split(2, dim=1)[tp]), (name, dp, tp)
 
 
 def scatter_add_in_place() -> dict[str, Any]:
