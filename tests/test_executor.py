@@ -691,7 +691,10 @@ def scatter_add_in_place() -> dict[str, Any]:
         refused = ""
     except RuntimeError as e:
         refused = str(e)
-    return {"placements": out.placements, "got": out.full_tensor(),
+    rows = [DTensor.from_local(t.chunk(2)[torch.distributed.get_rank()].clone(), mesh, [Shard(0)], run_check=False)
+            for t in (grad, index, src)]  # split alike on a dim other than the scattered one
+    rows[0].scatter_add_(-1, rows[1], rows[2])
+    return {"placements": out.placements, "got": out.full_tensor(), "rows": (rows[0].placements, rows[0].full_tensor()),
             "expected": grad.clone().scatter_add_(-1, index, src), "refused": refused}
 
 
@@ -703,6 +706,8 @@ def test_in_place_scatter_add_on_pending_sums_adds_them() -> None:
     for rank in run_on_ranks(2, scatter_add_in_place):
         assert rank["placements"] == (Partial(),)
         torch.testing.assert_close(rank["got"], rank["expected"])
+        assert rank["rows"][0] == (Shard(0),)
+        torch.testing.assert_close(rank["rows"][1], rank["expected"])
         assert "in-place operations that require placement changes are not supported" in rank["refused"]
 
 
