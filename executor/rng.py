@@ -370,33 +370,35 @@ _CHUNK = 32768  # at::internal::GRAIN_SIZE: smaller inputs are not split across 
 _VECTOR_MULTIPLE = 64  # a multiple of every CPU vector width torch uses, times its unroll of 2
 
 
-def _length_free(fn: Callable[..., torch.Tensor], x: torch.Tensor, pad: float) -> torch.Tensor:
-    """``fn(x)`` for a libm op (log, cos, sin) whose bits do not depend on ``x``'s length.
+def _length_free(x: torch.Tensor, pad: float, *fns: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+    """``fn(x)`` for each libm op ``fn`` (log, cos, sin), with bits that do not depend on
+    ``x``'s length.
 
     torch's CPU kernels evaluate these with SIMD (Sleef) code but finish each
     thread's chunk with a scalar libm loop, and the two may differ in the last
     bit; which elements land in the scalar tail depends on the tensor's length,
-    i.e. on the sharding.  Feeding fixed-size chunks, padded with ``pad`` (a value
-    in ``fn``'s domain), keeps every element on the SIMD path.  CUDA has no tail.
+    i.e. on the sharding.  Feeding fixed-size chunks, padded once with ``pad`` (a value
+    in every ``fn``'s domain), keeps every element on the SIMD path.  CUDA has no tail.
     """
     if x.device.type != "cpu":
-        return fn(x)
+        return [fn(x) for fn in fns]
     count = x.numel()
     x = F.pad(x, (0, -count % _VECTOR_MULTIPLE), value=pad)
-    out = torch.empty_like(x)
+    outs = [torch.empty_like(x) for _ in fns]
     for start in range(0, x.numel(), _CHUNK):
         part = slice(start, start + _CHUNK)
-        fn(x[part], out=out[part])
-    return out[:count]
+        for fn, out in zip(fns, outs, strict=True):
+            fn(x[part], out=out[part])
+    return [out[:count] for out in outs]
 
 
 def _box_muller(
     u1: torch.Tensor, u2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sqrt(-2 log u1)``, ``cos(2 pi u2)``, ``sin(2 pi u2)`` independent of the input length."""
-    theta = (2.0 * math.pi) * u2
-    radius = torch.sqrt(_length_free(torch.log, u1, 1.0).mul_(-2.0))
-    return radius, _length_free(torch.cos, theta, 0.0), _length_free(torch.sin, theta, 0.0)
+    (log_u1,) = _length_free(u1, 1.0, torch.log)
+    cos, sin = _length_free((2.0 * math.pi) * u2, 0.0, torch.cos, torch.sin)
+    return torch.sqrt(log_u1.mul_(-2.0)), cos, sin
 
 
 def _standard_exponential(seed: int, op: int, where: _Indices, dtype: torch.dtype) -> torch.Tensor:
@@ -405,7 +407,8 @@ def _standard_exponential(seed: int, op: int, where: _Indices, dtype: torch.dtyp
     bits = min(_mantissa_bits(dtype) + 8, 53)  # guard bits, as for the normal's tail
     words = _words(seed, op, where, 2 if bits > 32 else 1)
     u = (_unit(words, bits).to(torch.float64) + 0.5) * 2.0**-bits
-    return _length_free(torch.log, u, 1.0).neg_()
+    (log_u,) = _length_free(u, 1.0, torch.log)
+    return log_u.neg_()
 
 
 def _bernoulli_keep(seed: int, op: int, where: _Indices, prob: float) -> torch.Tensor:
@@ -1051,20 +1054,16 @@ def _mask_for_shards(mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor | 
     part = mask.to_local() if _is_dtensor(mask) else mask
     local, offset = compute_local_shape_and_global_offset(query.shape, mesh, placements)
     lead = query.ndim - mask.ndim
-    cut: dict[int, bool] = {}  # per query dim split: whether the mask arrives cut as the query is
+    cut: dict[int, bool] = {}  # per mask dim the query splits: whether the mask arrives cut as the query is
     for p, m in zip(placements, own, strict=True):
-        if isinstance(p, Replicate):
+        d = -1 if isinstance(p, Replicate) else p.dim % query.ndim - lead  # the mask's dim, if any
+        if d < 0 or mask.shape[d] == 1:  # whole on this mesh dim, or broadcast over what it splits
             if not isinstance(m, Replicate):
                 return None
-            continue
-        d = p.dim % query.ndim - lead  # the mask's dim, if any
-        whole = d < 0 or mask.shape[d] == 1  # broadcast over this query dim
-        alike = not whole and m == Shard(d)
-        if not (alike or isinstance(m, Replicate)) or cut.setdefault(d, alike) != alike:
+        elif not (m == Shard(d) or isinstance(m, Replicate)) or cut.setdefault(d, m == Shard(d)) != (m == Shard(d)):
             return None
-    for d, alike in cut.items():
-        if d >= 0 and mask.shape[d] != 1 and not alike:
-            part = part.narrow(d, offset[d + lead], local[d + lead])
+    for d in (d for d, alike in cut.items() if not alike):
+        part = part.narrow(d, offset[d + lead], local[d + lead])
     return part
 
 

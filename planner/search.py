@@ -568,13 +568,10 @@ def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
             continue
         if u.kind == "anchor" and d["short"] != "scaled_dot_product_attention":
             in_shape, out_shape = _boundary_shapes(graph, key)
-
-            def at(x: str, shape: tuple[int, ...], linear: bool = d["short"] in ("linear", "addmm")) -> str | None:
-                # a linear's features are its last dim, whatever its rank (DeepSeek's kv_b_proj
-                # reads a 4-D latent [b, 1, s, r], which concrete takes for attention's heads)
-                return f"S({len(shape) - 1})" if linear and x == "H" and len(shape) >= 2 else concrete(x, shape, seq)
-            inp = [*_lead(cand), *(at(x, in_shape) for x in c.inp)] if d["short"] != "embedding" else None
-            outp = [*_lead(cand), *(at(x, out_shape) for x in _settled(graph, cand, unit_of, key))]
+            inp = ([*_lead(cand), *(_at_boundary(x, in_shape, seq, d["short"]) for x in c.inp)]
+                   if d["short"] != "embedding" else None)
+            outp = [*_lead(cand), *(_at_boundary(x, out_shape, seq, d["short"])
+                                    for x in _settled(graph, cand, unit_of, key))]
             pat = fqn_pattern(u.module)
             first = out.get(pat)
             out[pat] = ModuleLayout(module=pat, input=first.input if first else inp, output=outp)
@@ -587,6 +584,15 @@ def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
                     out[pat] = ModuleLayout(module=pat, input=pl, output=pl)
     _lift_inputs(graph, cand, out)
     return list(out.values())
+
+
+def _at_boundary(layout: str, shape: tuple[int, ...], seq: int, op: str) -> str | None:
+    """``concrete``'s placement at an anchor's module boundary, where a linear's features
+    are its last dim whatever its rank (DeepSeek's kv_b_proj reads a 4-D latent
+    [b, 1, s, r], which ``concrete`` takes for attention's heads and wrote S(1))."""
+    if op in ("linear", "addmm") and layout == "H" and len(shape) >= 2:
+        return f"S({len(shape) - 1})"
+    return concrete(layout, shape, seq)
 
 
 def _lift_inputs(graph: nx.DiGraph, cand: Candidate, out: dict[str, ModuleLayout]) -> None:

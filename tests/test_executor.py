@@ -639,6 +639,10 @@ def test_draws_inside_a_data_parallel_forward_follow_the_global_batch() -> None:
         assert torch.equal(rank["folded"], part)  # the rank's 2 rows x 3 features, not gathered
 
 
+_UNEVEN_DRAWS = {"dropout": lambda t: F.dropout(t + 1, 0.5), "rand_like": torch.rand_like,
+                 "uniform_": lambda t: t.clone().uniform_()}
+
+
 def uneven_draws() -> dict[str, torch.Tensor]:
     """Draws on a dp2 x tp2 rank's rows of a [4, 15, 4] activation split 8 + 7 over tp."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -647,8 +651,7 @@ def uneven_draws() -> dict[str, torch.Tensor]:
     rows = DTensor.from_local(torch.zeros(2, 15, 4).tensor_split(2, dim=1)[mesh.get_local_rank("tp")].contiguous(),
                               mesh["tp"], [Shard(1)], run_check=False, shape=(2, 15, 4), stride=(60, 4, 1))
     out = {}
-    for name, draw in (("dropout", lambda t: F.dropout(t + 1, 0.5)), ("rand_like", torch.rand_like),
-                       ("uniform_", lambda t: t.clone().uniform_())):
+    for name, draw in _UNEVEN_DRAWS.items():
         executor.rng.manual_seed(SEED)
         with batch.randomness():
             out[name] = draw(rows).to_local()
@@ -661,8 +664,7 @@ def test_draws_on_an_uneven_split_under_data_parallelism_match_single_device() -
     DTensor inferred from the shard: 16 columns on one tp rank and 14 on the other for 15
     split 8 + 7, so the draws differed from one device's and in-place fills failed (review)."""
     reference = {}
-    for name, draw in (("dropout", lambda t: F.dropout(t + 1, 0.5)), ("rand_like", torch.rand_like),
-                       ("uniform_", lambda t: t.clone().uniform_())):
+    for name, draw in _UNEVEN_DRAWS.items():
         executor.rng.manual_seed(SEED)
         reference[name] = draw(torch.zeros(4, 15, 4))
     executor.rng.deactivate()
