@@ -614,6 +614,17 @@ def canonical_map(graph: nx.DiGraph) -> dict[str, str]:
     return canon
 
 
+def _adds_heads(d: dict) -> bool:
+    """An ``expand`` of one head to all, ``[b, 1, s, d] -> [b, h, s, d]``: DeepSeek's
+    rotary key, shared by the heads and computed beside ``kv_a_layernorm`` (which reduces
+    over features, so its segment is never split by heads).  Its consumers (the heads'
+    keys) can be, so the follow merge ends here and the ILP prices the step between
+    (replicated to split by heads is a local slice forward, a gather of the gradient)."""
+    shapes = d.get("in_shapes") or ()
+    return (d["short"] == "expand" and len(d["shape"]) == 4 and len(shapes) > 0
+            and len(shapes[0]) == 4 and shapes[0][1] == 1 < d["shape"][1])
+
+
 def build_units(ctx: Context, graph: nx.DiGraph) -> tuple[dict[str, Unit], dict[str, str]]:
     """Canonical units with their choices, and node -> unit key for every activation node."""
     act = activation_nodes(graph)
@@ -621,7 +632,8 @@ def build_units(ctx: Context, graph: nx.DiGraph) -> tuple[dict[str, Unit], dict[
                and (graph.nodes[n]["short"] != "addmm" or graph.nodes[n]["params"])}
     follow = nx.Graph()
     follow.add_nodes_from(act - anchors)
-    follow.add_edges_from((u, v) for u, v in graph.edges if u in follow and v in follow)
+    follow.add_edges_from((u, v) for u, v in graph.edges
+                          if u in follow and v in follow and not _adds_heads(graph.nodes[u]))
     canon = canonical_map(graph)
     # a parameter used by several anchors (tied embeddings) is owned by the first
     owner: dict[str, str] = {}
