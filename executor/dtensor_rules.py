@@ -2,7 +2,7 @@
 
 ``executor.apply`` installs them once per process.  Each says what failed without it;
 they go through DTensor's public ``register_sharding`` except where no public API
-reaches (the topk cache key).
+reaches (the topk cache key, torch 2.14's scatter_add_ strategy).
 """
 
 from __future__ import annotations
@@ -82,7 +82,16 @@ def _scatter_add_in_place() -> None:
     one device's, without a word.  This rule is the out-of-place op's (all whole, or
     ``self``, ``index`` and ``src`` split alike on a dim other than ``dim``) plus pending
     sums, which the op adds linearly.  As for every rule, DTensor then keeps an in-place
-    op's ``self`` placement, or refuses the op by name."""
+    op's ``self`` placement, or refuses the op by name.
+
+    torch 2.14 has a strategy of its own for it (split alike only), which DTensor prefers
+    to a registered rule and which refuses pending sums ("in-place operations that require
+    placement changes are not supported"): PhiMoE's router backward stopped there.  No
+    public API removes it, hence the private tables, as for topk."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in ("op_single_dim_strategy_funcs", "op_to_schema_info_for_single_dim_strategy"):
+        getattr(propagator, name, {}).pop(torch.ops.aten.scatter_add_.default, None)
+
     @register_sharding(torch.ops.aten.scatter_add_.default)
     def rule(self: Any, dim: int, index: Any, src: Any) -> list:
         ndim = len(self.shape)
