@@ -255,11 +255,17 @@ class _SlicedRandomness:
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func in rng.FOLLOW_INPUT:  # *_like, bernoulli, in-place fills
             t = args[0] if args else None
-            if not (isinstance(t, torch.Tensor) and t.dim() and t.shape[0] % self.rows == 0) or "out" in kwargs:
+            if not (isinstance(t, torch.Tensor) and t.dim() and t.shape[0] % self.rows == 0):
                 return rng.draw(func, args, kwargs)  # not the batch's rows: as on one device
+            # bernoulli_'s probabilities: a DTensor of the same rows is viewed as the tensor
+            # is (a plain one already lines up with the rank's rows)
+            rest = [self._global(a) if isinstance(a, DTensor) and _has_batch(a, t) else a for a in args[1:]]
+            out = kwargs.get("out")
+            kwargs = {k: v for k, v in kwargs.items() if k != "out"}
             if func.__name__.endswith("_"):  # drawn apart and copied in, so that autograd sees the fill
-                return t.copy_(self._back(rng.draw(func, (self._global(torch.empty_like(t)), *args[1:]), kwargs), t))
-            return self._back(rng.draw(func, (self._global(t), *args[1:]), kwargs), t)
+                out, t = t, torch.empty_like(t)
+            drawn = self._back(rng.draw(func, (self._global(t), *rest), kwargs), t)
+            return drawn if out is None else out.copy_(drawn)
         if func is F.dropout or func is torch.dropout:
             a = _bind_dropout(func, args, kwargs)
             if not a["training"] or a["p"] == 0.0:

@@ -640,7 +640,9 @@ def test_draws_inside_a_data_parallel_forward_follow_the_global_batch() -> None:
 
 
 _UNEVEN_DRAWS = {"dropout": lambda t: F.dropout(t + 1, 0.5), "rand_like": torch.rand_like,
-                 "uniform_": lambda t: t.clone().uniform_()}
+                 "uniform_": lambda t: t.clone().uniform_(),
+                 "bernoulli_": lambda t: t.clone().bernoulli_(torch.sigmoid(t)),  # p split as the tensor is
+                 "out=": lambda t: torch.bernoulli(torch.sigmoid(t), out=t.clone())}
 
 
 def uneven_draws() -> dict[str, torch.Tensor]:
@@ -662,7 +664,9 @@ def uneven_draws() -> dict[str, torch.Tensor]:
 def test_draws_on_an_uneven_split_under_data_parallelism_match_single_device() -> None:
     """The global batch's view of a rank's slice was built without its global shape, which
     DTensor inferred from the shard: 16 columns on one tp rank and 14 on the other for 15
-    split 8 + 7, so the draws differed from one device's and in-place fills failed (review)."""
+    split 8 + 7, so the draws differed from one device's and in-place fills failed (review).
+    bernoulli_ with probabilities split as the tensor is stopped on "placements differ",
+    and a draw into ``out=`` was drawn on the rank's rows as if they were the batch."""
     reference = {}
     for name, draw in _UNEVEN_DRAWS.items():
         executor.rng.manual_seed(SEED)
