@@ -396,8 +396,7 @@ def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args: tuple, k
 def _older_dtensor_problems(model: nn.Module, plan: Plan, layout: _Layout) -> list[str]:
     """What torch 2.11's DTensor cannot run (a helper's run of the suite there, session 25):
     MoE experts split over the model dims (no rule for the in-place ``index_put_`` the
-    grouped GEMM path runs; the batched one mixed plain tensors and DTensors in backward,
-    as Llama 4's router ``scatter`` does),
+    grouped GEMM path runs; the batched one mixed plain tensors and DTensors in backward),
     and eager attention split by heads (its ``query @ key.T`` flattens batch and the split
     heads).  Refused here by name, not met deep inside torch."""
     split = [fqn for fqn, pl in layout.placements.items()
@@ -406,8 +405,7 @@ def _older_dtensor_problems(model: nn.Module, plan: Plan, layout: _Layout) -> li
     problems = []
     if experts := [f for f in split if ".experts." in f]:
         problems.append(f"{experts[0]}: experts split over the model dims need torch >= 2.13 (torch {version}'s "
-                        "DTensor lacks rules MoE layers run: the grouped GEMM's in-place index_put_, Llama 4's "
-                        "router scatter); plan with them replicated there")
+                        "DTensor has no rule for the in-place index_put_ they run); plan with them replicated there")
     eager = getattr(getattr(model, "config", None), "_attn_implementation", None) == "eager"
     if eager and (attention := [f for f in split if "attn." in f]):
         problems.append(f"{attention[0]}: eager attention split by heads needs torch >= 2.13 (torch {version}'s "
