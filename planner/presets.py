@@ -29,7 +29,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3"
                          "olmo2", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gemma2", "glm", "glm4",
                          "helium", "nemotron", "exaone4", "smollm3", "ministral", "phimoe", "ernie4_5",
                          "ernie4_5_moe", "seed_oss", "hunyuan_v1_dense", "arcee", "gpt_oss",
-                         "deepseek_v3", "llama4_text")
+                         "deepseek_v3")
 # Model types transformers builds only with eager attention (``_supports_sdpa`` False):
 # Gemma 2's logit soft-capping, GPT-OSS's attention sinks.
 _EAGER_ATTENTION = ("gemma2", "gpt_oss")

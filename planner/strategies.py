@@ -44,8 +44,7 @@ from cost_model.step import fsdp_gathers, fsdp_host_time, fsdp_step_gathers, los
 from planner.schema import fqn_pattern, shard_dim
 from planner.tracer import layer_weight
 
-# bmm only with a parameter (Llama 4's experts, [experts, in, out]); else a product of activations
-ANCHOR_OPS = {"linear", "addmm", "embedding", "scaled_dot_product_attention", "grouped_mm", "bmm"}
+ANCHOR_OPS = {"linear", "addmm", "embedding", "scaled_dot_product_attention", "grouped_mm"}
 # Ops that reduce over features: a segment holding one cannot be feature-sharded.
 REDUCING_OPS = {"mean", "sum", "var", "layer_norm", "native_layer_norm", "softmax", "_softmax",
                 "log_softmax", "_log_softmax", "cross_entropy_loss",
@@ -329,7 +328,7 @@ def weight_placement(kind: str, op: str, arg: int, shape: Sequence[int], swapped
         return ("S(1)" if kind == "col" else "S(0)") if arg == 2 else ("S(0)" if kind == "col" else "R")
     if op == "embedding":  # weight [vocab, hidden]: col shards hidden, row shards vocab
         return "S(1)" if kind == "col" else "S(0)"
-    if op in ("grouped_mm", "bmm"):  # the op takes [experts, in, out]: stored [experts, out, in] when swapped
+    if op == "grouped_mm":  # the op takes [experts, in, out]: stored [experts, out, in] when swapped
         return ("S(1)" if kind == "col" else "S(2)") if swapped else ("S(2)" if kind == "col" else "S(1)")
     return "R"
 
@@ -343,8 +342,6 @@ def _anchor_layouts(op: str, kind: str) -> tuple[str, str] | None:
                 "rep": ("R", "R")}[kind]
     if op == "grouped_mm" and kind == "seq":
         return None  # routed tokens are flattened: no sequence dim left
-    if op == "bmm" and kind in ("data", "seq"):
-        return None  # [experts, tokens, in]: dim 0 is the experts, not the batch
     return {"data": ("B", "B"), "seq": ("Q", "Q"), "col": ("R", "H"), "row": ("H", "P"),
             "rep": ("R", "R")}[kind]
 
@@ -442,8 +439,6 @@ def _gemm_features(ctx: Context, node: dict, op: str, kinds: dict[int, str]) -> 
         n, k = node["in_shapes"][1][:2]
     elif op == "addmm" and len(node["in_shapes"]) > 2:  # GPT-2's Conv1D: weight [in, out]
         k, n = node["in_shapes"][2][:2]
-    elif op == "bmm":  # Llama 4's experts: weight [experts, in, out]
-        k, n = node["in_shapes"][1][1:3]
     else:
         return None
     split = {kind: math.prod(ctx.mesh_shape[i] for i, x in kinds.items() if x == kind) for kind in ("col", "row")}
@@ -634,7 +629,7 @@ def build_units(ctx: Context, graph: nx.DiGraph) -> tuple[dict[str, Unit], dict[
     """Canonical units with their choices, and node -> unit key for every activation node."""
     act = activation_nodes(graph)
     anchors = {n for n in act if graph.nodes[n]["short"] in ANCHOR_OPS
-               and (graph.nodes[n]["short"] not in ("addmm", "bmm") or graph.nodes[n]["params"])}
+               and (graph.nodes[n]["short"] != "addmm" or graph.nodes[n]["params"])}
     follow = nx.Graph()
     follow.add_nodes_from(act - anchors)
     follow.add_edges_from((u, v) for u, v in graph.edges

@@ -123,7 +123,7 @@ def runs() -> tuple[dict[str, Any], list[dict[str, Any]]]:
 def test_every_model_type_is_covered() -> None:
     # the others in tests/test_executor.py (the MoE ones) and test_pipeline.py
     others = {"llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
-              "phimoe", "ernie4_5_moe", "gpt_oss", "deepseek_v3", "llama4_text"}
+              "phimoe", "ernie4_5_moe", "gpt_oss", "deepseek_v3"}
     assert {model_type for model_type, _, _ in CASES.values()} | others == set(SUPPORTED_MODEL_TYPES)
 
 
