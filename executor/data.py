@@ -254,18 +254,7 @@ class _SlicedRandomness:
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if func in rng.FOLLOW_INPUT:  # *_like, bernoulli, in-place fills
-            t = args[0] if args else None
-            if not (isinstance(t, torch.Tensor) and t.dim() and t.shape[0] % self.rows == 0):
-                return rng.draw(func, args, kwargs)  # not the batch's rows: as on one device
-            # bernoulli_'s probabilities: a DTensor of the same rows is viewed as the tensor
-            # is (a plain one already lines up with the rank's rows)
-            rest = [self._global(a) if isinstance(a, DTensor) and _has_batch(a, t) else a for a in args[1:]]
-            out = kwargs.get("out")
-            kwargs = {k: v for k, v in kwargs.items() if k != "out"}
-            if func.__name__.endswith("_"):  # drawn apart and copied in, so that autograd sees the fill
-                out, t = t, torch.empty_like(t)
-            drawn = self._back(rng.draw(func, (self._global(t), *rest), kwargs), t)
-            return drawn if out is None else out.copy_(drawn)
+            return self._follow_input(func, args, kwargs)
         if func is F.dropout or func is torch.dropout:
             a = _bind_dropout(func, args, kwargs)
             if not a["training"] or a["p"] == 0.0:
@@ -278,6 +267,24 @@ class _SlicedRandomness:
         q = a["query"]
         batched = {k: self._global(v) if _has_batch(v, q) else v for k, v in a.items()}
         return self._back(rng.sdpa(**batched), q)
+
+    def _follow_input(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        t = args[0] if args else None
+        if not (isinstance(t, torch.Tensor) and t.dim() and t.shape[0] % self.rows == 0):
+            return rng.draw(func, args, kwargs)  # not the batch's rows: as on one device
+
+        def view(a: Any) -> Any:  # bernoulli_'s probabilities (by position or as p=)
+            # a DTensor of the same rows is viewed as the tensor is; a plain one already lines
+            # up with the rank's rows
+            return self._global(a) if isinstance(a, DTensor) and _has_batch(a, t) else a
+
+        rest = [view(a) for a in args[1:]]
+        target = kwargs.get("out")  # written with the draw: out=, or the tensor an in-place fill fills
+        kwargs = {k: view(v) for k, v in kwargs.items() if k != "out"}
+        if func.__name__.endswith("_"):  # drawn apart and copied in, so that autograd sees the fill
+            target, t = t, torch.empty_like(t)
+        drawn = self._back(rng.draw(func, (self._global(t), *rest), kwargs), t)
+        return drawn if target is None else target.copy_(drawn)
 
     def _global(self, t: torch.Tensor) -> DTensor:
         if isinstance(t, DTensor):

@@ -642,6 +642,7 @@ def test_draws_inside_a_data_parallel_forward_follow_the_global_batch() -> None:
 _UNEVEN_DRAWS = {"dropout": lambda t: F.dropout(t + 1, 0.5), "rand_like": torch.rand_like,
                  "uniform_": lambda t: t.clone().uniform_(),
                  "bernoulli_": lambda t: t.clone().bernoulli_(torch.sigmoid(t)),  # p split as the tensor is
+                 "bernoulli_ p=": lambda t: t.clone().bernoulli_(p=torch.sigmoid(t)),
                  "out=": lambda t: torch.bernoulli(torch.sigmoid(t), out=t.clone())}
 
 
