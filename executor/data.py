@@ -281,9 +281,10 @@ class _SlicedRandomness:
         rest = [view(a) for a in args[1:]]
         target = kwargs.get("out")  # written with the draw: out=, or the tensor an in-place fill fills
         kwargs = {k: view(v) for k, v in kwargs.items() if k != "out"}
+        source = t
         if func.__name__.endswith("_"):  # drawn apart and copied in, so that autograd sees the fill
-            target, t = t, torch.empty_like(t)
-        drawn = self._back(rng.draw(func, (self._global(t), *rest), kwargs), t)
+            target, source = t, torch.empty_like(t)
+        drawn = self._back(rng.draw(func, (self._global(source), *rest), kwargs), source)
         return drawn if target is None else target.copy_(drawn)
 
     def _global(self, t: torch.Tensor) -> DTensor:
