@@ -16,6 +16,7 @@ import os
 import queue
 import socket
 import tempfile
+import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -29,6 +30,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # A short timeout turns a rank stuck in a collective (its peer failed) into an error.
 _COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+# A job whose ranks wait on each other for good (seen once, session 26: in the
+# architecture job, one rank at a new step's FSDP all-gather while the others waited in
+# a layer's tensor-parallel all-gather, 13 minutes, gloo's timeout not firing) fails the
+# test instead of holding the suite until CI's limit.  The longest job takes ~3 minutes.
+_JOB_DEADLINE_S = 1200.0
 
 
 def _free_port() -> int:
@@ -77,7 +83,7 @@ class _Ranks:
             paths = [os.path.join(out_dir, f"rank{r}.pt") for r in range(self.world_size)]
             for r, q in enumerate(self.jobs):
                 q.put((fn, args, paths[r]))
-            finished = 0
+            finished, start = 0, time.monotonic()
             while finished < self.world_size:
                 try:
                     self.done.get(timeout=5)
@@ -86,6 +92,9 @@ class _Ranks:
                     dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
                     if dead:
                         raise RuntimeError(f"ranks {dead} died without a result") from None
+                    if time.monotonic() - start > _JOB_DEADLINE_S:
+                        raise RuntimeError(f"{fn.__name__}: {self.world_size - finished} of {self.world_size} "
+                                           f"ranks gave no result in {_JOB_DEADLINE_S:.0f} s") from None
             return [torch.load(p, weights_only=False) for p in paths]
 
     def stop(self) -> None:
