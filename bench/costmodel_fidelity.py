@@ -7,7 +7,7 @@ Without ``--profile`` the machine is calibrated inside the run: after each third
 the timed steps the 4 ranks run calibrate's own micro-benchmarks (``collective_samples``:
 gloo collectives in groups of 2 and 4, a third of the repeats each time, the median of
 all kept; ``measure_device``: GEMMs, copies, exps, attention, host time, op dispatch,
-the median of the three kept; ``measure_overlap`` once, after the second), and the
+the median of the three kept), and the
 profile built from them (``profile_from_job``, exactly what ``meshplan calibrate``
 writes) is saved to ``--save-profile`` and used for the predictions.  On a machine
 shared with other jobs the load changes within minutes; calibrating in the same job,
@@ -89,7 +89,6 @@ from cost_model.calibrate import (
     compute_chunk,
     dtensor_collectives,
     measure_device,
-    measure_overlap,
     profile_from_job,
     timed_between_compute,
     together,
@@ -263,9 +262,9 @@ def _worker(rank: int, plans: dict[str, str], init_file: str, out: str, warmup: 
         # 20% below a calibration taken two minutes earlier) and the steps span all three.
         # The device constants (GEMM rate, host time per op, ...) are measured in every
         # part, the median of the three kept; the collectives' repeats are spread over the
-        # parts, the median of all kept; the overlap is measured once, in the middle.  The
-        # collective check takes its own repeats in the same parts, right after the
-        # calibration's, so it is held out from the fit but sees the same minutes.
+        # parts, the median of all kept.  The collective check takes its own repeats in
+        # the same parts, right after the calibration's, so it is held out from the fit
+        # but sees the same minutes.
         chunk = compute_chunk()  # sized once, the same compute between every collective
         groups = {g: dist.new_subgroups(g)[0] if g < WORLD else None for g in GROUPS}
         parts = 3
@@ -278,7 +277,6 @@ def _worker(rank: int, plans: dict[str, str], init_file: str, out: str, warmup: 
         devices: list[Any] = []
         micro: dict[str, list[float]] = {}
         times: dict[str, list[list[float]]] = {}
-        overlap = None
         for part, n in enumerate(thirds):
             for name, ts in _timed_round_robin(steps_of, warmup if part == 0 else 0, n).items():
                 times.setdefault(name, []).extend(ts)
@@ -288,13 +286,11 @@ def _worker(rank: int, plans: dict[str, str], init_file: str, out: str, warmup: 
                                                lambda nbytes, part=part: share(_repeats(nbytes), part), group)
                     for key, ts in taken.items():
                         samples[g].setdefault(key, []).extend(ts)
-                if part == 1:
-                    overlap = measure_overlap()
                 devices += _all_ranks(measure_device(WORLD))
             for key, ts in _run_collectives(rank, chunk, share(repeats, part)).items():
                 micro.setdefault(key, []).extend(ts)
         job = {"collectives": {g: collective_medians(s) for g, s in samples.items()},
-               "overlap": overlap, "device": devices, "ranks": WORLD} if calibrate else None
+               "device": devices, "ranks": WORLD} if calibrate else None
         result: dict[str, Any] = {"times": times, "job": job, "micro": micro}
         result["collectives"] = {name: _collectives_per_step(step) for name, step in steps_of.items()}
         dist.barrier()

@@ -15,9 +15,10 @@ Collective constants are fitted per group size to the very model
 timed as training issues them, each between compute chunks (``timed_between_compute``):
 on this oversubscribed CPU a rank that blocks in a collective while the other ranks
 compute must wait to be rescheduled, which costs ~1.5-2x the latency of the same
-collective timed alone after a barrier (the bandwidth term is no larger).  Whether a collective
-hides behind compute is measured too (``overlap_exposure``): on a GPU NCCL has engines
-of its own, on an oversubscribed CPU gloo needs the cores the compute is using.  Timings are
+collective timed alone after a barrier (the bandwidth term is no larger).  Nothing is
+measured for ``overlap_exposure``: on a CPU FSDP2 issues its all-gathers and gradient
+reductions synchronously (it overlaps them with compute only through CUDA streams), so the
+rank waits in each however many cores are free, and a CPU profile's exposure is 1.  Timings are
 medians of repeats: on a shared machine a rank sees the typical load, not the
 quietest moment.
 """
@@ -73,8 +74,6 @@ FRESH_ALLOC_BYTES = 32 * 2**20
 FRESH_BYTES = 64 * 2**20  # the fresh allocation measure_fresh_pages times
 _REPEATS = 7
 _T = TypeVar("_T")
-OVERLAP_BYTES = 8 * 2**20  # a layer's gradients or parameters in the fidelity model's range
-_OVERLAP_COMPUTE = 3  # the compute alone takes ~3x the collective alone: room to hide it
 CHUNK_S = 0.01  # compute between two blocking collectives (timed_between_compute), wall s
 _MIN_TIME_S = 1e-6  # floor of a timing: the fits divide by t, noise must not make it <= 0
 _TINY_TOKENS = 8  # host-time models train on so few tokens that no kernel does measurable work
@@ -540,7 +539,7 @@ def _slowest(times: Sequence[float]) -> list[float]:
 def compute_chunk(seconds: float = CHUNK_S) -> Callable[[], None]:
     """A closure doing fixed matmul work that takes about ``seconds`` of wall time on a
     rank while every rank computes: ``n`` projections of 256 tokens by a 768 x 256 weight
-    (one MLP projection, as ``measure_overlap`` uses), ``n`` sized from the slowest rank's
+    (one MLP projection of the fidelity bench's model), ``n`` sized from the slowest rank's
     time per projection and so identical on every rank.  Call it on every rank."""
     a, w = torch.randn(256, 256), torch.randn(768, 256)
     one = _slowest([together(lambda: _median_time(lambda: torch.nn.functional.linear(a, w)))])[0]
@@ -635,63 +634,13 @@ def collective_medians(samples: dict[tuple[str, int], list[float]]) -> list[tupl
     return [(kind, nbytes, statistics.median(times)) for (kind, nbytes), times in samples.items()]
 
 
-def measure_overlap(repeats: int = _REPEATS) -> float:
-    """Step seconds one second of collective adds when it runs beside compute
-    (``Profile.overlap_exposure``), measured on every rank of the job at once.
-
-    Per repeat, and interleaved so that load drift hits all three alike: matmuls alone
-    (``c``), an all-reduce and an all-gather of ``OVERLAP_BYTES`` alone (``m``), and the
-    same collective issued asynchronously before the same matmuls and waited for after
-    them (``b``), as FSDP2 prefetches and reduces beside a layer's compute.  The
-    exposure is ``(b - c) / m``, median over repeats and kinds: 0 if the collective
-    hid completely, 1 if the two ran one after the other.
-    """
-    a, w = torch.randn(256, 256), torch.randn(768, 256)  # one MLP projection of 256 tokens
-    full = torch.ones(OVERLAP_BYTES // 4)
-    world = dist.get_world_size()
-    part = full[: full.numel() // world].clone()
-    kinds = (lambda op: dist.all_reduce(full, async_op=op),
-             lambda op: _ALL_GATHER(full, part, async_op=op))
-
-    def matmuls(n: int) -> None:
-        for _ in range(n):
-            torch.nn.functional.linear(a, w)
-
-    def timed(fn: Callable[[], object]) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    exposures = []
-    for start in kinds:
-        start(True).wait()  # warm-up (connections, buffers)
-        one_mm = _median_time(lambda: matmuls(1))
-        alone = statistics.median(_slowest([timed(lambda s=start: s(False)) for _ in range(3)]))
-        n = int(_slowest([max(1.0, _OVERLAP_COMPUTE * alone / one_mm)])[0])  # same n on every rank
-
-        def both(s: Callable[[bool], Any] = start, n: int = n) -> None:
-            work = s(True)
-            matmuls(n)
-            work.wait()
-
-        for _ in range(repeats):
-            c, m, b = _slowest([timed(lambda n=n: matmuls(n)), timed(lambda s=start: s(False)),
-                                timed(both)])
-            exposures.append((b - c) / m)
-    return max(0.0, statistics.median(exposures))
-
-
 def measure_job(groups: Sequence[int], sizes: Sequence[int]) -> dict[str, Any]:
     """Everything ``profile_from_job`` needs, measured on every rank of the current gloo
-    job (call it on all ranks): collectives in groups of each size, their overlap with
-    compute, then every rank's device constants.  A job that trains can call it between
-    steps, under the same load."""
+    job (call it on all ranks): collectives in groups of each size, then every rank's
+    device constants.  A job that trains can call it between steps, under the same load."""
     chunk = compute_chunk()  # sized once, the same compute between every collective
     result: dict[str, Any] = {"collectives": {
         g: collective_medians(collective_samples(g, sizes, chunk)) for g in groups}}
-    dist.barrier()
-    result["overlap"] = measure_overlap()
     dist.barrier()
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, measure_device(dist.get_world_size()))
@@ -884,7 +833,7 @@ def calibrate(
 def _note_other_load(progress: Callable[[str], None], when: str, own: int) -> None:
     """Say so when other work shares the cores: the ranks measure what they get of the
     machine, so a profile calibrated beside another job describes that share (seen here:
-    overlap_exposure 0.00 and DTensor dispatch 10x the idle figure).  ``own``: the load
+    DTensor dispatch 10x the idle figure).  ``own``: the load
     this job's ranks add themselves."""
     cpus = os.cpu_count() or 1
     load = os.getloadavg()[0]
@@ -935,8 +884,6 @@ def profile_from_job(
         f"{device['floor'] * 1e6:.1f} us, DTensor +{device['dtensor'] * 1e6:.1f} us, "
         f"DTensor redistribution +{device['redistribute'] * 1e6:.0f} us"
     )
-    progress(f"a collective beside compute adds {result['overlap']:.2f} s per second of it "
-             f"(overlap_exposure; 0 = hidden, 1 = serialised)")
     latency, busbw, _ = fit_collectives(samples)
     profile = Profile(
         name=name,
@@ -958,7 +905,7 @@ def profile_from_job(
         kernel_floor_s=device["floor"],
         dtensor_op_overhead_s=device["dtensor"],
         dtensor_redistribute_s=device["redistribute"],
-        overlap_exposure=min(4.0, result["overlap"]),
+        overlap_exposure=1.0,  # FSDP2's collectives are synchronous on a CPU (module docstring)
         levels=[{"name": "loopback", "devices": None, "busbw": busbw, "latency_s": latency,
                  "groups": groups}],
     )
@@ -972,9 +919,8 @@ def profile_from_job(
         f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {COPY_BYTES >> 20} MB copies and exps, {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, plain and tensor-parallel on all ranks over a fake process group (less its redistributions), FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
         f"AdamW steps on {_OPTIMIZER_TENSORS} tiny DTensor vs plain parameters, "
         f"{256 * ranks} B DTensor redistributions vs raw collectives (thread CPU time x core share), timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
-        f"overlap_exposure: {OVERLAP_BYTES >> 20} MB all-reduce / all-gather issued asynchronously beside "
-        f"matmuls, (together - matmuls alone) / collective alone, median of {_REPEATS} interleaved repeats "
-        f"per kind; "
+        f"overlap_exposure 1, not measured: on a CPU FSDP2 issues its all-gathers and gradient reductions "
+        f"synchronously (no streams), so none hides behind compute; "
         f"collectives: {len(message_sizes)} sizes {min(message_sizes)}..{max(message_sizes)} B in groups of "
         f"{sizes} ranks of that job, all groups at once, each issued between ~{CHUNK_S * 1e3:.0f} ms matmul chunks "
         f"as training issues them: per repeat (loop of {_iterations(0)} x [chunk, collective] - loop of "

@@ -231,10 +231,11 @@ class Profile(_Strict):
         default=0.0,
         ge=0,
         le=4,
-        description="step seconds one second of a collective adds when it runs concurrently "
-        "with compute: 0 = fully hidden (the network works on its own engines), 1 = "
-        "serialised (the collective's copies and reductions need the cores the compute "
-        "uses), above 1 = the contention also slows the compute",
+        description="step seconds one second of an FSDP2 all-gather or gradient reduction adds "
+        "when it is issued beside compute: 0 = fully hidden (GPUs: FSDP2 runs them on CUDA "
+        "streams of their own, the network on its own engines), 1 = serialised (CPUs: FSDP2 "
+        "issues them synchronously, so the rank waits in each; what `meshplan calibrate` "
+        "writes), above 1 = the contention also slows the compute",
     )
     levels: list[NetworkLevel] = Field(min_length=1, description="network levels, innermost first")
 

@@ -8,9 +8,9 @@ Assumptions (each is what the executor's runtime does, or a stated simplificatio
   layer ahead (FSDP2's default forward/backward prefetch): with ``layers`` equal
   units, the first unit's gather is exposed and every later one runs concurrently
   with the previous unit's compute.  What a concurrent collective still costs is the profile's
-  ``overlap_exposure`` x (measured by ``meshplan calibrate``: 0 on GPUs, where
-  NCCL has its own engines; about 1 on an oversubscribed CPU, where gloo's copies
-  and reductions need the cores the compute runs on), so exposed =
+  ``overlap_exposure`` x (0 on GPUs, where FSDP2 runs them on streams of their own and
+  NCCL has its own engines; 1 on a CPU, where FSDP2 has no streams and issues them
+  synchronously, so they cannot hide however many cores are free), so exposed =
   c/L + (max(0, c - compute) + x * min(c, compute)) * (L - 1)/L.
 * Gradient reduction (reduce-scatter or all-reduce): without a pipeline in every
   micro-batch's backward (``grad_reduce_parts``: ``executor.apply`` runs the parts
@@ -95,7 +95,7 @@ def exposed(comm_s: float, compute_s: float, layers: int, overlap_exposure: floa
 
     The first unit's share waits in full; each later one runs beside a unit of compute,
     exposing what outlasts it plus ``overlap_exposure`` times the part that ran
-    concurrently (0: free overlap; 1: the two serialise on shared cores).
+    concurrently (0: free overlap; 1: the two serialise).
     """
     per_comm, per_compute = comm_s / layers, compute_s / layers
     concurrent = max(0.0, per_comm - per_compute) + overlap_exposure * min(per_comm, per_compute)
