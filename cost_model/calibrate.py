@@ -53,7 +53,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from cost_model.comm import GLOO_STAGED, bus_factor, collective_time
 from cost_model.compute import fresh_pages_time
-from cost_model.memory import OPTIMIZERS
+from cost_model.memory import OPTIMIZERS, model_state_bytes
 from cost_model.profile import COLLECTIVE_KINDS, Profile, shipped_profiles
 
 # torch 2.13 renamed these (the old names warn); 2.11 has only the old ones.
@@ -363,6 +363,26 @@ def measure_gemm_columns(square: list[tuple[float, float]], dispatch_s: float = 
     return out
 
 
+_UPDATE_NUMEL = 2**20  # elements per parameter of the update's bandwidth: bytes, not dispatch
+_UPDATE_TENSORS = 4
+
+
+def measure_update_bandwidth(dispatch_s: float = 0.0) -> float:
+    """B/s of torch's AdamW update (``adam-fp32``'s ``update_traffic`` over the step's time
+    less ``dispatch_s`` per op) over ``_UPDATE_TENSORS`` parameters of ``_UPDATE_NUMEL``
+    elements.  Its ops are not copies: ``lerp_``, ``addcmul_`` and ``addcdiv_`` read two or
+    three tensors, ``sqrt`` and ``div`` allocate their outputs; on a lent 16-core machine
+    they moved 13-15 GB/s per rank where a copy moved 21.7, so pricing the update at the
+    copy's bandwidth put the optimizer 30% low there (and 20% high on the 2-core one)."""
+    params = [torch.nn.Parameter(torch.ones(_UPDATE_NUMEL)) for _ in range(_UPDATE_TENSORS)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    step = _median_time(torch.optim.AdamW(params, lr=1e-6).step)
+    ops = _UPDATE_TENSORS * OPTIMIZERS["adam-fp32"].update_ops
+    traffic = model_state_bytes(_UPDATE_TENSORS * _UPDATE_NUMEL, "adam-fp32").update_traffic
+    return traffic / max(step - ops * dispatch_s, step / 2)
+
+
 def measure_memory_bandwidth(nbytes: int = COPY_BYTES) -> float:
     """B/s of a large copy (read + write counted), the traffic op_time's bytes mean."""
     src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
@@ -488,6 +508,7 @@ def measure_device(world: int) -> dict[str, Any]:
     except RuntimeError:  # a CPU build without bf16 matmul kernels (every rank alike)
         out["bf16"] = None
     out["bandwidth"] = together(measure_memory_bandwidth)
+    out["update"] = together(lambda: measure_update_bandwidth(floor))
     out["fresh_pages"] = together(measure_fresh_pages)
     out["exp"] = together(measure_transcendental_rate)
     out["attention"] = together(measure_attention_rate)
@@ -717,7 +738,7 @@ def _device_constants(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     def med(values: Sequence[float]) -> float:
         return statistics.median(values)
 
-    scalars = ("floor", "dtensor", "redistribute", "bandwidth", "fresh_pages", "exp", "attention",
+    scalars = ("floor", "dtensor", "redistribute", "bandwidth", "update", "fresh_pages", "exp", "attention",
                "node_host", "dtensor_node")
     out: dict[str, Any] = {k: med([r[k] for r in per_rank]) for k in scalars}
     out["fsdp"] = {mode: tuple(med([r["fsdp"][mode][i] for r in per_rank]) for i in range(2))
@@ -875,7 +896,7 @@ def profile_from_job(
         f"per rank ({ranks} at once, 1 thread each): GEMM "
         + ", ".join(f"{d} {v / 1e9:.1f}" for d, v in peaks.items())
         + " GFLOP/s peak (narrow outputs: " + ", ".join(f"{n} cols x{f:.2f}" for n, f in device["columns"])
-        + f"); copy {device['bandwidth'] / 1e9:.1f} GB/s, fresh pages "
+        + f"); copy {device['bandwidth'] / 1e9:.1f} GB/s, AdamW update {device['update'] / 1e9:.1f} GB/s, fresh pages "
         f"{device['fresh_pages'] * 1e9:.2f} ms/MB; exp {device['exp'] / 1e9:.2f} G/s; attention {device['attention'] / 1e9:.1f} GFLOP/s; "
         f"host {device['node_host'] * 1e6:.0f} us per graph node, DTensor activations "
         f"+{device['dtensor_node'] * 1e6:.0f} us; FSDP2 " + ", ".join(
@@ -895,6 +916,7 @@ def profile_from_job(
         memory_bytes=psutil.virtual_memory().total // ranks,
         memory_bandwidth=device["bandwidth"],
         memory_efficiency=1.0,  # the measured copy bandwidth is already the achievable one
+        update_bandwidth=device["update"],
         fresh_page_byte_s=device["fresh_pages"],
         fresh_alloc_bytes=FRESH_ALLOC_BYTES,
         transcendental_rate=device["exp"],
@@ -916,7 +938,7 @@ def profile_from_job(
         f"measured by `meshplan calibrate` on {platform.node()} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
-        f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {COPY_BYTES >> 20} MB copies and exps, {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, plain and tensor-parallel on all ranks over a fake process group (less its redistributions), FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
+        f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {COPY_BYTES >> 20} MB copies and exps, AdamW steps over {_UPDATE_TENSORS} parameters of {_UPDATE_NUMEL} elements (update_bandwidth), {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, plain and tensor-parallel on all ranks over a fake process group (less its redistributions), FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
         f"AdamW steps on {_OPTIMIZER_TENSORS} tiny DTensor vs plain parameters, "
         f"{256 * ranks} B DTensor redistributions vs raw collectives (thread CPU time x core share), timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
         f"overlap_exposure 1, not measured: on a CPU FSDP2 issues its all-gathers and gradient reductions "

@@ -51,6 +51,7 @@ def op_time(
     attention: bool = False,
     host_s: float | None = None,
     narrow: float = 1.0,
+    bandwidth: float | None = None,
 ) -> float:
     """Seconds for one eager op: the roofline of its kernel and the host time to issue it.
 
@@ -66,7 +67,9 @@ def op_time(
     where it has one.  ``narrow``: a GEMM kernel's speed against the curve, for outputs
     narrow enough to slow it (``column_factor`` of their column count).  ``host_s``: the
     host time of this op instead of ``kernel_floor_s`` (the planner passes
-    ``node_host_s`` shares).
+    ``node_host_s`` shares).  ``bandwidth``: the B/s this op's kernel moves its bytes at
+    instead of ``memory_efficiency * memory_bandwidth`` (the optimizer's measured
+    ``update_bandwidth``).
     Free ops (views, metadata: no FLOPs and no bytes) launch no kernel: they cost their
     ``host_s`` when given, else 0 (see docs/cost_model.md).
     """
@@ -81,7 +84,7 @@ def op_time(
     compute = flops / (efficiency * peak_flops(profile, dtype)) if flops else 0.0
     if transcendentals and profile.transcendental_rate:
         compute = max(compute, transcendentals / profile.transcendental_rate)
-    memory = bytes_accessed / (profile.memory_efficiency * profile.memory_bandwidth)
+    memory = bytes_accessed / (bandwidth or profile.memory_efficiency * profile.memory_bandwidth)
     if profile.device_type == "cpu":
         return host + max(compute, memory)
     return max(compute, memory, host)

@@ -150,6 +150,13 @@ class Profile(_Strict):
     memory_bytes: int = Field(gt=0, description="memory capacity per device, bytes")
     memory_bandwidth: Rate = Field(description="peak memory bandwidth per device, B/s")
     memory_efficiency: Fraction = Field(description="achievable fraction of memory_bandwidth")
+    update_bandwidth: Rate | None = Field(
+        default=None,
+        description="B/s the optimizer's per-tensor update achieves per device (torch's AdamW "
+        "over parameters of 2^20 elements: lerp_, addcmul_, sqrt, div, addcdiv_ read two or "
+        "three tensors, and sqrt and div allocate theirs); None: memory_efficiency x "
+        "memory_bandwidth (GPU profiles: the foreach kernels stream at HBM speed)",
+    )
     kernel_floor_s: float = Field(
         ge=0,
         description="host time to issue one eager op that runs a kernel (dispatcher + "

@@ -173,7 +173,9 @@ def optimizer_time(
 
     The update is ``update_ops`` element-wise ops per parameter tensor
     (memory.OPTIMIZERS), each an eager op (``compute.op_time``) moving its share of
-    the update's bytes: memory bound for big tensors, dispatch bound for the many
+    the update's bytes (at the profile's ``update_bandwidth`` where calibration measured
+    the update itself: its ops read two or three tensors and allocate, and ran at 0.6x
+    a copy's bandwidth on a 16-core machine): memory bound for big tensors, dispatch bound for the many
     small ones (norm weights, biases), and much more so when the parameters are
     DTensors (``dtensor``), whose every op pays DTensor's host-side dispatch.  A foreach
     update (``StateBytes.foreach``: torch's default on CUDA) issues each op once for all
@@ -187,9 +189,10 @@ def optimizer_time(
     traffic = model_state_bytes(params, optimizer, shard_degree).update_traffic
     if per.foreach:
         host = profile.kernel_floor_s + (tensors * profile.dtensor_op_overhead_s if dtensor else 0.0)
-        return per.update_ops * op_time(profile, 0, traffic / per.update_ops, host_s=host)
+        return per.update_ops * op_time(profile, 0, traffic / per.update_ops, host_s=host,
+                                        bandwidth=profile.update_bandwidth)
     ops = tensors * per.update_ops
-    return ops * op_time(profile, 0, traffic / ops, dtensor=dtensor)
+    return ops * op_time(profile, 0, traffic / ops, dtensor=dtensor, bandwidth=profile.update_bandwidth)
 
 
 def partial_grad_time(

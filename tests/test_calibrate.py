@@ -86,7 +86,7 @@ def test_fit_excludes_the_staging_pages_comm_adds_back():
         pages = n * byte_s if k in ("all_gather", "reduce_scatter") and n >= FRESH_ALLOC_BYTES else 0.0
         return latency + n * bus_factor(k, 4) / busbw[k] + pages
 
-    rank = {"floor": 2e-6, "dtensor": 3e-5, "redistribute": 1e-3, "bandwidth": 1e10,
+    rank = {"floor": 2e-6, "dtensor": 3e-5, "redistribute": 1e-3, "bandwidth": 1e10, "update": 6e9,
             "fresh_pages": byte_s, "exp": 5e8, "attention": 1e10, "node_host": 1e-4,
             "dtensor_node": 2e-4, "fp32": [(1e6, 2e10), (1e9, 4e10)], "bf16": None, "columns": [(32, 0.5), (256, 1.0)],
             "fsdp": {"replicate": (1e-3, 1e-10), "fully_shard": (2e-3, 2e-10)}}
@@ -142,6 +142,9 @@ def test_calibrate_small_run_writes_a_loadable_profile(tmp_path):
     # (4 bytes read + 4 written each), fused attention at most the GEMM peak, eager host
     # time per graph node above a bare add's, FSDP2's host work for both data-parallel modes
     assert 0 < profile.transcendental_rate < profile.memory_bandwidth / 8 * 10
+    # AdamW's update moves its bytes, within a factor of 4 of a copy's speed (0.6x on a
+    # lent 16-core machine, 1.2x here)
+    assert profile.memory_bandwidth / 4 < profile.update_bandwidth < profile.memory_bandwidth * 4
     assert 0 < profile.attention_efficiency <= 1
     # narrow GEMM outputs, measured for every width; the narrowest is the slowest relative
     # to the curve (a half-speed 32-column output here; loose, a small run is noisy)

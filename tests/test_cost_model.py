@@ -803,6 +803,9 @@ def test_optimizer_time_counts_torch_adamw_ops_per_tensor():
     # many small tensors cost more than one big one of the same size
     assert optimizer_time(cpu, 1e6, "adam-fp32", tensors=100) > optimizer_time(
         cpu, 1e6, "adam-fp32", tensors=1)
+    # a calibrated profile's measured update bandwidth replaces the copy's for the bytes
+    measured = load_profile({**TOY, "name": "toy-update", "device_type": "cpu", "update_bandwidth": 2e11})
+    assert optimizer_time(measured, 1e6, "adam-fp32", tensors=10) == pytest.approx(90 * 5e-6 + 80e6 / 2e11)
 
 
 def test_gpu_profiles_describe_8_gpu_nodes_on_infiniband():
