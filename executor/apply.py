@@ -67,8 +67,9 @@ from planner.schema import Fingerprint, MeshRoles, ModuleLayout, Plan, pattern_m
 
 # FSDP2 only replicates as part of HSDP (a replicate dim and a shard dim).  A plan with
 # a replicate dim but no fully_shard dim gets this extra size-1 shard dim, which
-# changes no rank's position; it reuses FSDP2's bucketed, overlapped all-reduce
-# instead of torch DDP, which does not take DTensor (tensor-parallel) parameters.
+# changes no rank's position; it reuses FSDP2's bucketed all-reduce (overlapped with
+# compute on CUDA streams; synchronous on a CPU) instead of torch DDP, which does not take
+# DTensor (tensor-parallel) parameters.
 _UNIT_SHARD_DIM = "_fsdp_unit"
 
 
