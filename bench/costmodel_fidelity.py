@@ -6,13 +6,12 @@ hand layouts of a small Llama on 4 gloo processes, and collective micro-predicti
 Without ``--profile`` the machine is calibrated inside the run: after each third of
 the timed steps the 4 ranks run calibrate's own micro-benchmarks (``collective_samples``:
 gloo collectives in groups of 2 and 4, a third of the repeats each time, the median of
-all kept; ``measure_device``: GEMMs, copies, exps, attention, host time, op dispatch,
-the median of the three kept), and the
-profile built from them (``profile_from_job``, exactly what ``meshplan calibrate``
-writes) is saved to ``--save-profile`` and used for the predictions.  On a machine
-shared with other jobs the load changes within minutes; calibrating in the same job,
-spread over the minutes the steps run, measures the primitives under the load the
-steps see.  The 4 ranks are
+all kept; ``measure_device``: GEMMs, copies, AdamW's update, exps, attention, host time,
+op dispatch, the median of the three kept), and the profile built from them
+(``profile_from_job``, exactly what ``meshplan calibrate`` writes) is saved to
+``--save-profile`` and used for the predictions.  On a machine shared with other jobs
+the load changes within minutes; calibrating in the same job, spread over the minutes
+the steps run, measures the primitives under the load the steps see.  The 4 ranks are
 spawned once; inside them every layout trains the same model on the same global batch
 (forward, backward, AdamW step; the layouts' steps interleaved, round-robin, so the
 shared machine's load drift hits them alike) through ``executor.apply`` with the plan

@@ -11,19 +11,23 @@ on the rank's main thread goes to one column:
 
 * ``GEMM``: ``aten::mm`` / ``addmm`` / ``bmm``; ``attn``: the fused attention kernels;
 * ``aten``: every other aten op (elementwise kernels, copies, allocation, views);
-* ``waits``: time the main thread blocks in a collective: ``_c10d_functional.wait_tensor``
-  (DTensor's), the ``c10d`` calls, and the executor's loss averaging (``_MeanOverRanks``);
+* ``waits``: the main thread in DTensor's ``_c10d_functional.wait_tensor``, in the
+  ``c10d`` calls (issuing them; a synchronous call's wait is plain Python, counted under
+  the event around it), and in the executor's functions that wait in theirs: the loss
+  averaging (``_MeanOverRanks``) and the vocabulary-parallel loss
+  (``_VocabParallelCrossEntropy``, its Python included);
 * ``FSDP2``: FSDP2's hooks, including the all-gathers and reductions it issues
   synchronously on a CPU (``FSDP::*``) and its copies' Python;
 * ``DTensor``: DTensor's Python dispatch and redistributions (``PythonSubclass``,
   ``Redistribute``, ``_FromTorchTensor``, ...);
 * ``rest``: the profiled wall time less all of the above (the model's Python, autograd's
-  engine, the optimizer's loop).
+  engine, the optimizer's loop, the profiler's own overhead).  Each column is its own
+  median over ranks, so the columns need not add up to the step.
 
 ``--no-comm`` runs the ranks over torch's fake process group, whose collectives are
-no-ops.  Session 27 ran both on a lent 16-core machine (docs/cost_model.md): there the
-main thread of a DP rank waited ~32 ms per step in FSDP2's gradient reductions that the
-model had hidden behind compute.  Medians over ranks, seconds per step.
+no-ops.  It reproduces the diagnostic session 27 ran on a lent 16-core machine
+(docs/cost_model.md): there the main thread of a DP rank waited ~32 ms per step in
+FSDP2's gradient reductions that the model had hidden behind compute.  Seconds per step.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def _column(name: str) -> str | None:
         return "GEMM"
     if "flash_attention" in name or "scaled_dot_product" in name:
         return "attn"
-    if "c10d" in name or name == "_MeanOverRanks":
+    if "c10d" in name or name in ("_MeanOverRanks", "_VocabParallelCrossEntropy"):
         return "waits"
     if name.startswith("FSDP::"):
         return "FSDP2"

@@ -6,8 +6,8 @@ from a micro-benchmark of the primitive the cost model uses it for.
 
 A CPU "device" is one rank of a local gloo job: ranks are processes with one
 thread each that share the machine's cores and memory bus.  So the device
-constants (GEMM FLOP/s by size, copy bandwidth, host time per eager op, plain and
-DTensor) are measured inside the spawned ranks of the largest group size, all
+constants (GEMM FLOP/s by size, copy bandwidth, the optimizer's update bandwidth, host
+time per eager op, plain and DTensor) are measured inside the spawned ranks of the largest group size, all
 ranks running the same micro-benchmark at once, as they do when they train; a
 single process using every core would describe a device no rank ever gets.
 Collective constants are fitted per group size to the very model
@@ -151,17 +151,23 @@ def measure_op_overhead(world: int) -> tuple[float, float]:
     a, b = torch.ones(1), torch.ones(1)
     plain = _median_time(lambda: a + b)
     mesh = init_device_mesh("cpu", (world,))
+    sharded = _adamw_step_time(lambda: distribute_tensor(torch.ones(world * 4), mesh, [Shard(0)]),
+                               _OPTIMIZER_TENSORS)
+    local = _adamw_step_time(lambda: torch.ones(4), _OPTIMIZER_TENSORS)
+    return plain, max(0.0, (sharded - local) / _adamw_ops(_OPTIMIZER_TENSORS))
 
-    def step_time(make: Callable[[], torch.Tensor]) -> float:
-        params = [torch.nn.Parameter(make()) for _ in range(_OPTIMIZER_TENSORS)]
-        for p in params:
-            p.grad = torch.ones_like(p)
-        return _median_time(torch.optim.AdamW(params, lr=1e-6).step)
 
-    sharded = step_time(lambda: distribute_tensor(torch.ones(world * 4), mesh, [Shard(0)]))
-    local = step_time(lambda: torch.ones(4))
-    ops = _OPTIMIZER_TENSORS * OPTIMIZERS["adam-fp32"].update_ops
-    return plain, max(0.0, (sharded - local) / ops)
+def _adamw_step_time(make: Callable[[], torch.Tensor], tensors: int) -> float:
+    """Seconds of torch's AdamW step over ``tensors`` parameters made by ``make``."""
+    params = [torch.nn.Parameter(make()) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    return _median_time(torch.optim.AdamW(params, lr=1e-6).step)
+
+
+def _adamw_ops(tensors: int) -> int:
+    """Eager ops torch's per-tensor AdamW step issues over ``tensors`` parameters."""
+    return tensors * OPTIMIZERS["adam-fp32"].update_ops
 
 
 _REDISTRIBUTE_CALLS = 40  # per timed loop; every rank issues the same collectives
@@ -373,14 +379,12 @@ def measure_update_bandwidth(dispatch_s: float = 0.0) -> float:
     elements.  Its ops are not copies: ``lerp_``, ``addcmul_`` and ``addcdiv_`` read two or
     three tensors, ``sqrt`` and ``div`` allocate their outputs; on a lent 16-core machine
     they moved 13-15 GB/s per rank where a copy moved 21.7, so pricing the update at the
-    copy's bandwidth put the optimizer 30% low there (and 20% high on the 2-core one)."""
-    params = [torch.nn.Parameter(torch.ones(_UPDATE_NUMEL)) for _ in range(_UPDATE_TENSORS)]
-    for p in params:
-        p.grad = torch.full_like(p, 1e-3)
-    step = _median_time(torch.optim.AdamW(params, lr=1e-6).step)
-    ops = _UPDATE_TENSORS * OPTIMIZERS["adam-fp32"].update_ops
+    copy's bandwidth put the optimizer 30% low there; on the 2-core machine, 4 ranks at once,
+    it runs 1.4-1.5x a copy's speed (its arithmetic leaves the shared memory bus less
+    contended), and the copy's bandwidth put it too high."""
+    step = _adamw_step_time(lambda: torch.ones(_UPDATE_NUMEL), _UPDATE_TENSORS)
     traffic = model_state_bytes(_UPDATE_TENSORS * _UPDATE_NUMEL, "adam-fp32").update_traffic
-    return traffic / max(step - ops * dispatch_s, step / 2)
+    return traffic / max(step - _adamw_ops(_UPDATE_TENSORS) * dispatch_s, step / 2)
 
 
 def measure_memory_bandwidth(nbytes: int = COPY_BYTES) -> float:

@@ -242,7 +242,8 @@ class Profile(_Strict):
         "when it is issued beside compute: 0 = fully hidden (GPUs: FSDP2 runs them on CUDA "
         "streams of their own, the network on its own engines), 1 = serialised (CPUs: FSDP2 "
         "issues them synchronously, so the rank waits in each; what `meshplan calibrate` "
-        "writes), above 1 = the contention also slows the compute",
+        "writes), above 1 = the contention also slows the compute; default 0 on a cuda "
+        "profile, 1 on a cpu one",
     )
     levels: list[NetworkLevel] = Field(min_length=1, description="network levels, innermost first")
 
@@ -262,6 +263,15 @@ class Profile(_Strict):
             if not columns or columns != sorted(set(columns)):
                 raise ValueError("points must have strictly increasing columns")
         return points
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cpu_exposure(cls, data: Any) -> Any:
+        """A CPU profile that gives no ``overlap_exposure`` exposes FSDP2's collectives in
+        full: FSDP2 issues them synchronously there (no streams to overlap them on)."""
+        if isinstance(data, dict) and data.get("device_type") == "cpu" and "overlap_exposure" not in data:
+            return {**data, "overlap_exposure": 1.0}
+        return data
 
     @model_validator(mode="after")
     def _nested_levels(self) -> Profile:

@@ -740,6 +740,11 @@ def test_compose_step_charges_the_stage_overlap_exposure():
     assert compose_step([hidden]).exposed_communication_s == pytest.approx(0.2)  # first units only
     assert compose_step([serial]).exposed_communication_s == pytest.approx(0.8)
     assert load_profile("h100-sxm-80g").overlap_exposure == 0.0  # NCCL runs beside the kernels
+    # FSDP2 issues its collectives synchronously on a CPU: a CPU profile that does not say
+    # otherwise exposes them in full; one that does keeps its own figure
+    assert load_profile({**TOY, "name": "toy-cpu", "device_type": "cpu"}).overlap_exposure == 1.0
+    assert load_profile({**TOY, "name": "toy-cpu", "device_type": "cpu",
+                         "overlap_exposure": 0.5}).overlap_exposure == 0.5
 
 
 def test_compose_step_single_stage():
