@@ -7,9 +7,9 @@ from a micro-benchmark of the primitive the cost model uses it for.
 A CPU "device" is one rank of a local gloo job: ranks are processes with one
 thread each that share the machine's cores and memory bus.  So the device
 constants (GEMM FLOP/s by size, copy bandwidth, the optimizer's update bandwidth, host
-time per eager op, plain and DTensor) are measured inside the spawned ranks of the largest group size, all
-ranks running the same micro-benchmark at once, as they do when they train; a
-single process using every core would describe a device no rank ever gets.
+time per eager op, plain and DTensor) are measured inside the spawned ranks of the
+largest group size, all ranks running the same micro-benchmark at once, as they do when
+they train; a single process using every core would describe a device no rank ever gets.
 Collective constants are fitted per group size to the very model
 ``cost_model.comm`` evaluates (``t = latency + S * f(n) / busbw``), from collectives
 timed as training issues them, each between compute chunks (``timed_between_compute``):
@@ -858,8 +858,8 @@ def calibrate(
 def _note_other_load(progress: Callable[[str], None], when: str, own: int) -> None:
     """Say so when other work shares the cores: the ranks measure what they get of the
     machine, so a profile calibrated beside another job describes that share (seen here:
-    DTensor dispatch 10x the idle figure).  ``own``: the load
-    this job's ranks add themselves."""
+    DTensor dispatch 10x the idle figure).  ``own``: the load this job's ranks add
+    themselves."""
     cpus = os.cpu_count() or 1
     load = os.getloadavg()[0]
     if load > own + cpus / 2:
