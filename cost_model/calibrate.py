@@ -931,7 +931,6 @@ def profile_from_job(
         kernel_floor_s=device["floor"],
         dtensor_op_overhead_s=device["dtensor"],
         dtensor_redistribute_s=device["redistribute"],
-        overlap_exposure=1.0,  # FSDP2's collectives are synchronous on a CPU (module docstring)
         levels=[{"name": "loopback", "devices": None, "busbw": busbw, "latency_s": latency,
                  "groups": groups}],
     )
