@@ -38,6 +38,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -65,8 +66,10 @@ GEMM_SIZES = (64, 128, 256, 512, 1024)
 # Output widths of the narrow GEMMs (a linear of 1024 tokens x 256 features to these),
 # the shapes tensor parallelism cuts projections into (measure_gemm_columns).
 COLUMN_SIZES = (16, 32, 64, 128, 256, 512)
-COPY_BYTES = 16 * 2**20  # larger than a core's share of the last-level cache
-COLD_BYTES = 64 * 2**20  # GEMM operand pool per rank: 4 ranks' pools overflow a 105 MB L3
+COPY_BYTES = 16 * 2**20  # the least a copy or exp moves; OperandSizes raises it for larger caches
+COLD_BYTES = 64 * 2**20  # the least GEMM operand pool per rank; likewise
+_UPDATE_NUMEL = 2**20  # the least elements per parameter of the update's bandwidth: bytes, not dispatch
+_UPDATE_TENSORS = 4
 # glibc's malloc serves a block from its mmap threshold with fresh pages and unmaps it on
 # free; the threshold adapts upwards to freed blocks but stops at 32 MiB on 64-bit Linux
 # (DEFAULT_MMAP_THRESHOLD_MAX), so from there every allocation faults its pages in anew.
@@ -317,23 +320,67 @@ def measure_dtensor_node_host(world: int) -> float:
     return max(0.0, extra / totals(trace(config, 1, _TINY_TOKENS))["nodes"])
 
 
-def cold_gemm_time(m: int, k: int, n: int, dtype: torch.dtype = torch.float32) -> float:
+def last_level_cache_bytes(cpus: Path = Path("/sys/devices/system/cpu")) -> int:
+    """Bytes of last-level cache the CPUs this process may run on share out: each CPU's
+    highest cache level (sysfs), each instance once (one per socket, or per core complex
+    on AMD).  0 where sysfs does not say (not Linux)."""
+    instances: dict[str, int] = {}
+    for cpu in os.sched_getaffinity(0):
+        caches = (cpus / f"cpu{cpu}" / "cache").glob("index*")
+        try:
+            level, shared, size = max(
+                (int((c / "level").read_text()), (c / "shared_cpu_list").read_text().strip(),
+                 (c / "size").read_text().strip()) for c in caches if (c / "type").read_text().strip() != "Instruction")
+        except (OSError, ValueError):  # no sysfs cache entries here
+            return 0
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        instances[f"L{level}:{shared}"] = int(size.rstrip("KMG")) * units.get(size[-1], 1)
+    return sum(instances.values())
+
+
+@dataclass(frozen=True)
+class OperandSizes:
+    """How much memory a rank's memory-bound micro-benchmarks span.
+
+    A training step streams its parameters, gradients and optimizer states (and the other
+    ranks theirs) through the last-level cache, so each step finds them in DRAM; a
+    micro-benchmark whose operands, summed over the job's ranks, fit in that cache times
+    the cache instead.  On the 2-core machine (32 MiB L3) the floors already overflow it;
+    on a lent 16-core machine (300 MiB L3, 4 ranks) a 16 MB copy and a 64 MB GEMM pool per
+    rank did not, and its plain step ran 30% slower inside the training job than
+    calibration predicted.  So each size here is at least what makes the ranks together
+    span twice the last-level cache (``last_level_cache_bytes``)."""
+
+    gemm_pool: int  # bytes of GEMM operand pairs cycled through (cold_gemm_time)
+    copy: int  # bytes a copy reads (and writes), and an exp's input
+    update_numel: int  # elements per parameter of the AdamW update (4 fp32 states each)
+
+    @classmethod
+    def for_job(cls, world: int) -> OperandSizes:
+        span = 2 * last_level_cache_bytes() // world
+        return cls(gemm_pool=max(COLD_BYTES, span), copy=max(COPY_BYTES, span // 2),
+                   update_numel=max(_UPDATE_NUMEL, span // (16 * _UPDATE_TENSORS)))
+
+
+def cold_gemm_time(m: int, k: int, n: int, dtype: torch.dtype = torch.float32,
+                   pool_bytes: int = COLD_BYTES) -> float:
     """Seconds of one (m x k) @ (k x n) matmul on cold operands (``_median_time``).
 
-    Each call takes the next pair of a pool of ``COLD_BYTES``, larger than a rank's
-    share of the last-level cache: in a training step every GEMM reads activations and
-    weights that other ops (and the other ranks) have since pushed out of the cache, and
-    timing one hot pair back to back overstates small GEMMs (measured here, 4 ranks at
-    once: 256 x 256 x 768 at 22 GFLOP/s hot, 17 cold; 1024^3 alike at 21).
+    Each call takes the next pair of a pool of ``pool_bytes`` (``OperandSizes``): in a
+    training step every GEMM reads activations and weights that other ops (and the other
+    ranks) have since pushed out of the cache, and timing one hot pair back to back
+    overstates small GEMMs (measured here, 4 ranks at once: 256 x 256 x 768 at 22
+    GFLOP/s hot, 17 cold; 1024^3 alike at 21).
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
-    pairs = max(2, COLD_BYTES // ((m * k + k * n) * itemsize))
+    pairs = max(2, pool_bytes // ((m * k + k * n) * itemsize))
     lhs, rhs = torch.randn(pairs, m, k).to(dtype), torch.randn(pairs, k, n).to(dtype)
     turn = itertools.cycle(range(pairs))
     return _median_time(lambda: lhs[(i := next(turn))] @ rhs[i])
 
 
-def measure_gemm(dtype: torch.dtype, dispatch_s: float = 0.0) -> list[tuple[float, float]]:
+def measure_gemm(dtype: torch.dtype, dispatch_s: float = 0.0,
+                 pool_bytes: int = COLD_BYTES) -> list[tuple[float, float]]:
     """(FLOPs, achieved FLOP/s) of square matmuls of GEMM_SIZES on cold operands.
 
     ``dispatch_s`` is taken off each time: the cost model adds the host time of an
@@ -342,13 +389,14 @@ def measure_gemm(dtype: torch.dtype, dispatch_s: float = 0.0) -> list[tuple[floa
     out = []
     for n in GEMM_SIZES:
         flops = 2.0 * n**3
-        t = together(lambda n=n: cold_gemm_time(n, n, n, dtype))
+        t = together(lambda n=n: cold_gemm_time(n, n, n, dtype, pool_bytes))
         out.append((flops, flops / max(t - dispatch_s, t / 2)))
     return out
 
 
 def measure_gemm_columns(square: list[tuple[float, float]], dispatch_s: float = 0.0,
-                         tokens: int = 1024, features: int = 256) -> list[tuple[int, float]]:
+                         pool_bytes: int = COLD_BYTES, tokens: int = 1024,
+                         features: int = 256) -> list[tuple[int, float]]:
     """(output columns, speed against ``square``'s curve) of fp32 ``F.linear`` from
     ``features`` to each of COLUMN_SIZES on ``tokens`` rows, cold operands.
 
@@ -358,7 +406,7 @@ def measure_gemm_columns(square: list[tuple[float, float]], dispatch_s: float = 
     xs, ys = [math.log10(f) for f, _ in square], [r for _, r in square]
     out = []
     for n in COLUMN_SIZES:
-        pairs = max(2, COLD_BYTES // ((tokens * features + n * features) * 4))
+        pairs = max(2, pool_bytes // ((tokens * features + n * features) * 4))
         x, w = torch.randn(pairs, tokens, features), torch.randn(pairs, n, features)
         turn = itertools.cycle(range(pairs))
         t = together(lambda x=x, w=w, turn=turn: _median_time(
@@ -369,21 +417,19 @@ def measure_gemm_columns(square: list[tuple[float, float]], dispatch_s: float = 
     return out
 
 
-_UPDATE_NUMEL = 2**20  # elements per parameter of the update's bandwidth: bytes, not dispatch
-_UPDATE_TENSORS = 4
 
 
-def measure_update_bandwidth(dispatch_s: float = 0.0) -> float:
+def measure_update_bandwidth(dispatch_s: float = 0.0, numel: int = _UPDATE_NUMEL) -> float:
     """B/s of torch's AdamW update (``adam-fp32``'s ``update_traffic`` over the step's time
-    less ``dispatch_s`` per op) over ``_UPDATE_TENSORS`` parameters of ``_UPDATE_NUMEL``
+    less ``dispatch_s`` per op) over ``_UPDATE_TENSORS`` parameters of ``numel``
     elements.  Its ops are not copies: ``lerp_``, ``addcmul_`` and ``addcdiv_`` read two or
     three tensors, ``sqrt`` and ``div`` allocate their outputs; on a lent 16-core machine
     they moved 13-15 GB/s per rank where a copy moved 21.7, so pricing the update at the
     copy's bandwidth put the optimizer 30% low there; on the 2-core machine, 4 ranks at once,
     it runs 1.4-1.5x a copy's speed (its arithmetic leaves the shared memory bus less
     contended), and the copy's bandwidth put it too high."""
-    step = _adamw_step_time(lambda: torch.ones(_UPDATE_NUMEL), _UPDATE_TENSORS)
-    traffic = model_state_bytes(_UPDATE_TENSORS * _UPDATE_NUMEL, "adam-fp32").update_traffic
+    step = _adamw_step_time(lambda: torch.ones(numel), _UPDATE_TENSORS)
+    traffic = model_state_bytes(_UPDATE_TENSORS * numel, "adam-fp32").update_traffic
     return traffic / max(step - _adamw_ops(_UPDATE_TENSORS) * dispatch_s, step / 2)
 
 
@@ -503,18 +549,19 @@ def measure_fsdp_overhead() -> dict[str, tuple[float, float]]:
 
 def measure_device(world: int) -> dict[str, Any]:
     """Every device constant, measured by this rank while the other ranks do the same."""
+    sizes = OperandSizes.for_job(world)
     floor, dtensor = together(lambda: measure_op_overhead(world))
     out: dict[str, Any] = {"floor": floor, "dtensor": dtensor}
-    out["fp32"] = measure_gemm(torch.float32, floor)
-    out["columns"] = measure_gemm_columns(out["fp32"], floor)
+    out["fp32"] = measure_gemm(torch.float32, floor, sizes.gemm_pool)
+    out["columns"] = measure_gemm_columns(out["fp32"], floor, sizes.gemm_pool)
     try:
-        out["bf16"] = measure_gemm(torch.bfloat16, floor)
+        out["bf16"] = measure_gemm(torch.bfloat16, floor, sizes.gemm_pool)
     except RuntimeError:  # a CPU build without bf16 matmul kernels (every rank alike)
         out["bf16"] = None
-    out["bandwidth"] = together(measure_memory_bandwidth)
-    out["update"] = together(lambda: measure_update_bandwidth(floor))
+    out["bandwidth"] = together(lambda: measure_memory_bandwidth(sizes.copy))
+    out["update"] = together(lambda: measure_update_bandwidth(floor, sizes.update_numel))
     out["fresh_pages"] = together(measure_fresh_pages)
-    out["exp"] = together(measure_transcendental_rate)
+    out["exp"] = together(lambda: measure_transcendental_rate(sizes.copy))
     out["attention"] = together(measure_attention_rate)
     out["node_host"] = together(measure_node_host)
     out["fsdp"] = together(measure_fsdp_overhead)
@@ -893,6 +940,7 @@ def profile_from_job(
         groups.append({"size": g, "latency_s": latency, "busbw": busbw})
         progress(f"  groups of {g}: " + ", ".join(
             f"{k} {latency[k] * 1e6:.0f} us + {busbw[k] / 1e9:.2f} GB/s" for k in COLLECTIVE_KINDS))
+    operands = OperandSizes.for_job(ranks)
     peaks = {"fp32": max(r for _, r in device["fp32"])}
     if "bf16" in device:
         peaks["bf16"] = max(r for _, r in device["bf16"])
@@ -941,7 +989,7 @@ def profile_from_job(
         f"measured by `meshplan calibrate` on {platform.node()} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
-        f"gloo job (GEMMs {list(GEMM_SIZES)} on a {COLD_BYTES >> 20} MB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {COPY_BYTES >> 20} MB copies and exps, AdamW steps over {_UPDATE_TENSORS} parameters of {_UPDATE_NUMEL} elements (update_bandwidth), {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, plain and tensor-parallel on all ranks over a fake process group (less its redistributions), FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
+        f"gloo job (operands sized so that the ranks together span at least twice the {last_level_cache_bytes() >> 20} MiB of last-level cache: GEMMs {list(GEMM_SIZES)} on a {operands.gemm_pool >> 20} MB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {operands.copy >> 20} MB copies and exps, AdamW steps over {_UPDATE_TENSORS} parameters of {operands.update_numel} elements (update_bandwidth), {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, plain and tensor-parallel on all ranks over a fake process group (less its redistributions), FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
         f"AdamW steps on {_OPTIMIZER_TENSORS} tiny DTensor vs plain parameters, "
         f"{256 * ranks} B DTensor redistributions vs raw collectives (thread CPU time x core share), timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
         f"overlap_exposure 1, not measured: on a CPU FSDP2 issues its all-gathers and gradient reductions "

@@ -12,11 +12,15 @@ import psutil
 import pytest
 
 from cost_model.calibrate import (
+    COLD_BYTES,
     COLUMN_SIZES,
+    COPY_BYTES,
     FRESH_ALLOC_BYTES,
+    OperandSizes,
     calibrate,
     fit_collectives,
     fit_group,
+    last_level_cache_bytes,
     profile_from_job,
 )
 from cost_model.comm import bus_factor, collective_time
@@ -99,6 +103,37 @@ def test_fit_excludes_the_staging_pages_comm_adds_back():
         assert getattr(group.busbw, k) == pytest.approx(busbw[k], rel=1e-6)
         for n in sizes:
             assert collective_time(profile, k, n, [4], 0) == pytest.approx(measured(k, n), rel=1e-6)
+
+
+def _cache(cpu_dir, index, level, kind, size, shared):
+    d = cpu_dir / "cache" / f"index{index}"
+    d.mkdir(parents=True)
+    for name, value in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", shared)):
+        (d / name).write_text(f"{value}\n")
+
+
+def test_last_level_cache_counts_each_instance_of_the_highest_level_once(tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    for layout, shared in (("one", lambda cpu: "all"), ("per-cpu", lambda cpu: cpu)):
+        for cpu in cpus:  # private L1 and L2; a 32 MiB L3 shared by the CPUs `shared` names alike
+            _cache(tmp_path / layout / f"cpu{cpu}", 0, 1, "Data", "48K", cpu)
+            _cache(tmp_path / layout / f"cpu{cpu}", 1, 1, "Instruction", "32K", cpu)
+            _cache(tmp_path / layout / f"cpu{cpu}", 2, 2, "Unified", "2048K", cpu)
+            _cache(tmp_path / layout / f"cpu{cpu}", 3, 3, "Unified", "32768K", shared(cpu))
+    assert last_level_cache_bytes(tmp_path / "one") == 32 * 2**20
+    assert last_level_cache_bytes(tmp_path / "per-cpu") == len(cpus) * 32 * 2**20
+    assert last_level_cache_bytes(tmp_path / "absent") == 0
+
+
+def test_operands_overflow_the_last_level_cache_twice_over_all_ranks(monkeypatch):
+    monkeypatch.setattr("cost_model.calibrate.last_level_cache_bytes", lambda: 300 * 2**20)
+    sizes = OperandSizes.for_job(4)  # the lent 16-core machine: 4 ranks share 300 MiB of L3
+    assert sizes.gemm_pool == 150 * 2**20
+    assert sizes.copy == 75 * 2**20  # read and written: 150 MiB per rank
+    assert sizes.update_numel * 4 * 4 * 4 == 150 * 2**20  # 4 parameters of 4 fp32 states
+    monkeypatch.setattr("cost_model.calibrate.last_level_cache_bytes", lambda: 32 * 2**20)
+    small = OperandSizes.for_job(4)  # this machine: the floors already overflow it
+    assert (small.gemm_pool, small.copy, small.update_numel) == (COLD_BYTES, COPY_BYTES, 2**20)
 
 
 def test_calibrate_argument_errors(tmp_path):
