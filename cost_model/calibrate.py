@@ -347,9 +347,10 @@ class OperandSizes:
     micro-benchmark whose operands, summed over the job's ranks, fit in that cache times
     the cache instead.  On the 2-core machine (32 MiB L3) the floors already overflow it;
     on a lent 16-core machine (300 MiB L3, 4 ranks) a 16 MB copy and a 64 MB GEMM pool per
-    rank did not, and its plain step ran 30% slower inside the training job than
-    calibration predicted.  So each size here is at least what makes the ranks together
-    span twice the last-level cache (``last_level_cache_bytes``)."""
+    rank did not (there the plain step ran ~30% slower in the training job than calibration
+    predicted; how much of that this explains is not measured yet).  So each size here is at
+    least what makes the ranks together span twice the last-level cache
+    (``last_level_cache_bytes``)."""
 
     gemm_pool: int  # bytes of GEMM operand pairs cycled through (cold_gemm_time)
     copy: int  # bytes a copy reads (and writes), and an exp's input
