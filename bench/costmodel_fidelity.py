@@ -63,6 +63,7 @@ import argparse
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -79,6 +80,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import executor
 import planner
 from cost_model.calibrate import (
+    OperandSizes,
     _collective,
     _iterations,
     _repeats,
@@ -152,18 +154,23 @@ def _phases(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.Tenso
     return [t1 - t0, t2 - t1, time.perf_counter() - t2, time.process_time() - cpu]
 
 
-def _timed_round_robin(steps_of: dict[str, Callable[[], list[float]]], warmup: int,
-                       steps: int) -> dict[str, list[list[float]]]:
+def _timed_round_robin(steps_of: dict[str, Callable[[], list[float]]], warmup: int, steps: int,
+                       barrier: Callable[[], object] = dist.barrier) -> dict[str, list[list[float]]]:
     """Every case's step in turn, ``steps`` rounds: the load of the shared machine drifts
     over minutes, and interleaving spreads that drift over all cases alike instead of
-    charging it to whichever case ran while it peaked."""
+    charging it to whichever case ran while it peaked.
+
+    ``barrier`` starts each step on every rank at once.  The fake process group's own
+    barrier is a no-op, so its ranks pass a real one: without it they start seconds apart
+    (each builds every layout's model first) and partly run alone, and on a lent 16-core
+    machine the plain step ran 0.11 s there against 0.14 s with the 4 ranks at once."""
     for step in steps_of.values():
         for _ in range(warmup):
             step()
     out: dict[str, list[list[float]]] = {name: [] for name in steps_of}
     for _ in range(steps):
         for name, step in steps_of.items():
-            dist.barrier()  # every step starts together, so a straggler's wait is in the step
+            barrier()  # every step starts together, so a straggler's wait is in the step
             out[name].append(step())
     return out
 
@@ -220,7 +227,8 @@ def _gemm_rates() -> dict[str, float]:
     its square ones (``together`` + ``cold_gemm_time``): what a rank's "device" delivers
     here, square and thin, to compare with the profile's rate for that shape (the FLOPs'
     curve times the output width's factor)."""
-    return {name: 2.0 * m * k * n / together(lambda m=m, k=k, n=n: cold_gemm_time(m, k, n))
+    pool = OperandSizes.for_job(WORLD).gemm_pool
+    return {name: 2.0 * m * k * n / together(lambda m=m, k=k, n=n: cold_gemm_time(m, k, n, pool_bytes=pool))
             for name, (m, k, n) in GEMM_SHAPES.items()}
 
 
@@ -238,14 +246,16 @@ def _rank_setup() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
 
 
-def _fake_worker(rank: int, plans: dict[str, str], out: str, warmup: int, steps: int) -> None:
-    """The same steps over torch's fake process group (collectives are no-ops)."""
+def _fake_worker(rank: int, plans: dict[str, str], out: str, warmup: int, steps: int,
+                 barrier: Any) -> None:
+    """The same steps over torch's fake process group (collectives are no-ops), each
+    started on all ranks at once by ``barrier`` (a ``multiprocessing`` barrier)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     _rank_setup()
     dist.init_process_group("fake", rank=rank, world_size=WORLD, store=FakeStore())
     try:
-        torch.save(_timed_round_robin(_steps(plans), warmup, steps), f"{out}.{rank}")
+        torch.save(_timed_round_robin(_steps(plans), warmup, steps, barrier.wait), f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -500,6 +510,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-comm-steps", type=int, default=4,
                     help="timed steps per layout on the fake process group")
     args = ap.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # each table as it is done, also through a pipe
     print(f"start {time.strftime('%H:%M:%S UTC', time.gmtime())}; load average {_load()} "
           f"({os.cpu_count()} CPUs)")
     plans = {layout.name: layout.plan().to_json() for layout in LAYOUTS}
@@ -508,19 +519,21 @@ def main(argv: list[str] | None = None) -> None:
         mp.spawn(_worker, args=(plans, os.path.join(tmp, "init"), out, args.warmup, args.steps,
                                 args.repeats, args.profile is None), nprocs=WORLD, join=True)
         results = torch.load(out, weights_only=False)
-        print(f"gloo phase done {time.strftime('%H:%M:%S UTC', time.gmtime())}; no-communication phase ...")
-        mp.spawn(_fake_worker, args=(plans, out, args.warmup, args.no_comm_steps), nprocs=WORLD, join=True)
+        print(f"gloo phase done {time.strftime('%H:%M:%S UTC', time.gmtime())}")
+        if args.profile is None:
+            measured = profile_from_job(args.save_profile.stem, results[0]["job"], MESSAGE_SIZES)
+            args.save_profile.write_text(measured.model_dump_json(indent=2) + "\n")
+            args.profile = args.save_profile
+        profile = load_profile(args.profile).model_dump()
+        print(f"profile: {args.profile} ({profile['source']})")
+        predicted = {layout.name: layout.plan(profile) for layout in LAYOUTS}
+        _step_table(results, predicted, plans, profile)
+        _collective_table(results, profile)
+        print(f"\nno-communication phase {time.strftime('%H:%M:%S UTC', time.gmtime())} ...")
+        mp.spawn(_fake_worker, args=(plans, out, args.warmup, args.no_comm_steps,
+                                     mp.get_context("spawn").Barrier(WORLD)), nprocs=WORLD, join=True)
         no_comm = [torch.load(f"{out}.{r}", weights_only=False) for r in range(WORLD)]
-    if args.profile is None:
-        measured = profile_from_job(args.save_profile.stem, results[0]["job"], MESSAGE_SIZES)
-        args.save_profile.write_text(measured.model_dump_json(indent=2) + "\n")
-        args.profile = args.save_profile
-    profile = load_profile(args.profile).model_dump()
-    print(f"profile: {args.profile} ({profile['source']})")
-    predicted = {layout.name: layout.plan(profile) for layout in LAYOUTS}
-    _step_table(results, predicted, plans, profile)
     _no_comm_table(no_comm, results, predicted, profile)
-    _collective_table(results, profile)
     print(f"\nend {time.strftime('%H:%M:%S UTC', time.gmtime())}; load average {_load()}")
 
 

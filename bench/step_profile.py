@@ -38,6 +38,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,9 @@ def _split(events: list, wall: float, steps: int) -> dict[str, float]:
 
 
 def _worker(rank: int, plans: dict[str, str], init: str, out: str, no_comm: bool, steps: int,
-            rounds: int) -> None:
+            rounds: int, barrier: Any) -> None:
+    """``barrier``: a ``multiprocessing`` barrier, which starts the fake group's steps on all
+    ranks at once as gloo's does (the fake group's own is a no-op)."""
     _rank_setup()
     if no_comm:
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -99,10 +102,10 @@ def _worker(rank: int, plans: dict[str, str], init: str, out: str, no_comm: bool
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
     try:
         steps_of = _steps(plans)
-        times = _timed_round_robin(steps_of, 2, rounds)
+        times = _timed_round_robin(steps_of, 2, rounds, barrier.wait)
         split = {}
         for name, step in steps_of.items():
-            dist.barrier()
+            barrier.wait()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 t0 = time.perf_counter()
                 for _ in range(steps):
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r")
         mp.spawn(_worker, args=(plans, os.path.join(tmp, "init"), out, args.no_comm, args.steps,
-                                args.rounds), nprocs=WORLD, join=True)
+                                args.rounds, mp.get_context("spawn").Barrier(WORLD)), nprocs=WORLD, join=True)
         ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(WORLD)]
     print(f"{'layout':<16}{'step s':>8} |" + "".join(f"{c:>9}" for c in COLUMNS))
     for name in ranks[0]["split"]:
