@@ -162,8 +162,10 @@ def _timed_round_robin(steps_of: dict[str, Callable[[], list[float]]], warmup: i
 
     ``barrier`` starts each step on every rank at once.  The fake process group's own
     barrier is a no-op, so its ranks pass a real one: without it they start seconds apart
-    (each builds every layout's model first) and partly run alone, and on a lent 16-core
-    machine the plain step ran 0.11 s there against 0.14 s with the 4 ranks at once."""
+    (each builds every layout's model first) and partly run alone.  (On a lent 16-core
+    machine the staggered fake job's plain step took 0.11 s, the gloo job's 0.14 s, with
+    pinning and barriers ruled out there; whether running alone is the difference was not
+    measured before the session's device time ran out.)"""
     for step in steps_of.values():
         for _ in range(warmup):
             step()
