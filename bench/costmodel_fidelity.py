@@ -48,13 +48,17 @@ the DP local batch, and fp32 GEMMs timed as calibration times them (a square one
 thinnest GEMM of a TP rank), with one thread per rank.
 
 The collective micro-predictions are checked against timings taken the way calibrate
-takes the ones it fits (``timed_between_compute``): each collective issued between
+takes the ones it fits (``collective_samples``): each collective issued between
 ~10 ms compute chunks, as training issues it, its time the loop's minus the compute
-alone's, so a rank that blocks pays its rescheduling as in a training step.  The check's
-repeats are its own (held out from the fit), taken in the same three parts right after
-the calibration's: until session 15 they ran once at the end, minutes after the
-calibration, and the machine's drift in between (1.5x at 8-64 MB in one run) decided
-whether they fell within +-25%.
+alone's, so a rank that blocks pays its rescheduling as in a training step.  Every kind
+is checked, among all 4 ranks.  The check's repeats are held out from the fit and taken
+alternately with the calibration's, repeat by repeat (twice the repeats, the even ones
+fitted, the odd ones checked): until session 15 they ran once at the end, minutes after
+the calibration, and the machine's drift in between (1.5x at 8-64 MB in one run) decided
+whether they fell within +-25%; until session 28 they ran after the calibration's in
+each part, half a minute apart, and drift in between still moved a kind's medians by up
+to 40% (run 74: the 1 MB all-reduce 8.6 ms fitted, 6.2 checked).  With ``--profile`` the
+run does not calibrate and every repeat is checked.
 """
 
 from __future__ import annotations
@@ -81,8 +85,6 @@ import executor
 import planner
 from cost_model.calibrate import (
     OperandSizes,
-    _collective,
-    _iterations,
     _repeats,
     cold_gemm_time,
     collective_medians,
@@ -91,12 +93,11 @@ from cost_model.calibrate import (
     dtensor_collectives,
     measure_device,
     profile_from_job,
-    timed_between_compute,
     together,
 )
 from cost_model.comm import collective_time
 from cost_model.compute import column_factor, gemm_efficiency
-from cost_model.profile import load_profile
+from cost_model.profile import COLLECTIVE_KINDS, load_profile
 from planner.presets import build_model, load_config
 
 WORLD = 4
@@ -110,7 +111,6 @@ MODEL = {
 }
 LOCAL = "local compute"  # the communication-free reference case
 RUN_PROFILE = "cpu-gloo-local"  # the profile the plans that run are written with
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 MESSAGE_SIZES = (64 * 2**10, 2**20, 8 * 2**20, 64 * 2**20)
 GROUPS = (2, WORLD)  # the collectives' group sizes calibrated: a mesh dim of 2 or of all ranks
 
@@ -206,19 +206,6 @@ def _collectives_per_step(step: Callable[[], list[float]]) -> dict[str, int]:
     return {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
 
 
-def _run_collectives(rank: int, chunk: Callable[[], None], repeats: int) -> dict[str, list[float]]:
-    """Per kind and size, the seconds each of ``repeats`` collectives among the 4 ranks adds
-    between compute chunks, the slowest rank's (the same list on every rank): measured
-    exactly as calibrate measures what it fits (``timed_between_compute``, with calibrate's
-    nccl-tests sizing ``_collective``), so the table compares like with like."""
-    out = {}
-    for kind in COLLECTIVES:
-        for nbytes in MESSAGE_SIZES:
-            fn = _collective(kind, nbytes, WORLD, rank)
-            out[f"{kind} {nbytes}"] = timed_between_compute(fn, repeats, chunk, _iterations(nbytes))
-    return out
-
-
 # (m, k, n) of (m x k) @ (k x n): a square GEMM like calibrate's, and the thinnest GEMM
 # of a TP rank here (a KV projection shard: 1024 tokens x 256 -> 32 features)
 GEMM_SHAPES = {"square 1024^3": (1024, 1024, 1024), "TP kv shard 1024x256x32": (1024, 256, 32)}
@@ -263,7 +250,7 @@ def _fake_worker(rank: int, plans: dict[str, str], out: str, warmup: int, steps:
 
 
 def _worker(rank: int, plans: dict[str, str], init_file: str, out: str, warmup: int, steps: int,
-            repeats: int, calibrate: bool) -> None:
+            calibrate: bool) -> None:
     _rank_setup()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
@@ -273,9 +260,9 @@ def _worker(rank: int, plans: dict[str, str], init_file: str, out: str, warmup: 
         # 20% below a calibration taken two minutes earlier) and the steps span all three.
         # The device constants (GEMM rate, host time per op, ...) are measured in every
         # part, the median of the three kept; the collectives' repeats are spread over the
-        # parts, the median of all kept.  The collective check takes its own repeats in
-        # the same parts, right after the calibration's, so it is held out from the fit
-        # but sees the same minutes.
+        # parts, the median of all kept.  The collective check's repeats alternate with
+        # the calibration's (below), so they are held out from the fit but see the same
+        # seconds.
         chunk = compute_chunk()  # sized once, the same compute between every collective
         groups = {g: dist.new_subgroups(g)[0] if g < WORLD else None for g in GROUPS}
         parts = 3
@@ -291,15 +278,23 @@ def _worker(rank: int, plans: dict[str, str], init_file: str, out: str, warmup: 
         for part, n in enumerate(thirds):
             for name, ts in _timed_round_robin(steps_of, warmup if part == 0 else 0, n).items():
                 times.setdefault(name, []).extend(ts)
+            for g, group in groups.items():
+                checked = g == WORLD  # the check's collectives are among all ranks
+                if not (calibrate or checked):
+                    continue
+                # among all ranks while calibrating: twice the repeats, the even ones fitted,
+                # the odd ones checked, so the two see the same seconds of the machine
+                runs = 2 if calibrate and checked else 1
+                taken = collective_samples(g, MESSAGE_SIZES, chunk,
+                                           lambda nbytes, part=part, runs=runs: runs * share(_repeats(nbytes), part),
+                                           group)
+                for (kind, nbytes), ts in taken.items():
+                    if calibrate:
+                        samples[g].setdefault((kind, nbytes), []).extend(ts[::runs])
+                    if checked:
+                        micro.setdefault(f"{kind} {nbytes}", []).extend(ts[runs - 1::runs])
             if calibrate:
-                for g, group in groups.items():
-                    taken = collective_samples(g, MESSAGE_SIZES, chunk,
-                                               lambda nbytes, part=part: share(_repeats(nbytes), part), group)
-                    for key, ts in taken.items():
-                        samples[g].setdefault(key, []).extend(ts)
                 devices += _all_ranks(measure_device(WORLD))
-            for key, ts in _run_collectives(rank, chunk, share(repeats, part)).items():
-                micro.setdefault(key, []).extend(ts)
         job = {"collectives": {g: collective_medians(s) for g, s in samples.items()},
                "device": devices, "ranks": WORLD} if calibrate else None
         result: dict[str, Any] = {"times": times, "job": job, "micro": micro}
@@ -480,7 +475,7 @@ def _collective_table(results: list[dict], profile: dict) -> None:
     print(f"{'kind':<16}{'size':>8}{'measured ms':>13}{'min ms':>9}{'fit ms':>9}{'predicted ms':>14}"
           f"{'error':>8}{'vs min':>8}")
     errors = []
-    for kind in COLLECTIVES:
+    for kind in COLLECTIVE_KINDS:
         for nbytes in MESSAGE_SIZES:
             per_rank = [r["micro"][f"{kind} {nbytes}"] for r in results]
             slowest = [max(ts) for ts in zip(*per_rank, strict=True)]  # already alike on every rank
@@ -507,8 +502,6 @@ def main(argv: list[str] | None = None) -> None:
                     help="where the calibration writes the profile (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per layout")
-    ap.add_argument("--repeats", type=int, default=7,
-                    help="timed repeats per collective of the check, spread over the three parts")
     ap.add_argument("--no-comm-steps", type=int, default=4,
                     help="timed steps per layout on the fake process group")
     args = ap.parse_args(argv)
@@ -519,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pt")
         mp.spawn(_worker, args=(plans, os.path.join(tmp, "init"), out, args.warmup, args.steps,
-                                args.repeats, args.profile is None), nprocs=WORLD, join=True)
+                                args.profile is None), nprocs=WORLD, join=True)
         results = torch.load(out, weights_only=False)
         print(f"gloo phase done {time.strftime('%H:%M:%S UTC', time.gmtime())}")
         if args.profile is None:
