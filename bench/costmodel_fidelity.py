@@ -465,8 +465,8 @@ def _no_comm_table(no_comm: list[dict], results: list[dict], predicted: dict[str
 
 def _collective_table(results: list[dict], profile: dict) -> None:
     """The check's medians against the profile, beside the calibration's own medians where
-    the run calibrated (``fit ms``: the same collective, its repeats taken in the same
-    parts): the fit's miss on those is the model's, the rest the repeats' noise."""
+    the run calibrated (``fit ms``: the same collective, its repeats alternating with the
+    check's): the fit's miss on those is the model's, the rest the repeats' noise."""
     prof = load_profile(profile)
     job = results[0]["job"]
     fitted = {(k, n): t for k, n, t in job["collectives"][WORLD]} if job else {}

@@ -38,7 +38,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -350,17 +350,20 @@ class OperandSizes:
     rank did not (there the plain step ran ~30% slower in the training job than calibration
     predicted; how much of that this explains is not measured yet).  So each size here is at
     least what makes the ranks together span twice the last-level cache
-    (``last_level_cache_bytes``)."""
+    (``last_level_cache_bytes``), up to an eighth of the available memory per rank (a VM
+    may list every vCPU's cache as its own).  More memory comes as more operands, never
+    larger ones: an eager op's output from ``FRESH_ALLOC_BYTES`` up would take fresh pages
+    on every call, which the update and exp must not pay."""
 
     gemm_pool: int  # bytes of GEMM operand pairs cycled through (cold_gemm_time)
-    copy: int  # bytes a copy reads (and writes), and an exp's input
-    update_numel: int  # elements per parameter of the AdamW update (4 fp32 states each)
+    copy: int  # bytes a copy reads (and writes); exp cycles through as many in COPY_BYTES pieces
+    update_tensors: int  # parameters of _UPDATE_NUMEL elements in the AdamW update (4 fp32 states each)
 
     @classmethod
     def for_job(cls, world: int) -> OperandSizes:
-        span = 2 * last_level_cache_bytes() // world
+        span = min(2 * last_level_cache_bytes(), psutil.virtual_memory().available // 8) // world
         return cls(gemm_pool=max(COLD_BYTES, span), copy=max(COPY_BYTES, span // 2),
-                   update_numel=max(_UPDATE_NUMEL, span // (16 * _UPDATE_TENSORS)))
+                   update_tensors=max(_UPDATE_TENSORS, span // (16 * _UPDATE_NUMEL)))
 
 
 def cold_gemm_time(m: int, k: int, n: int, dtype: torch.dtype = torch.float32,
@@ -420,18 +423,18 @@ def measure_gemm_columns(square: list[tuple[float, float]], dispatch_s: float = 
 
 
 
-def measure_update_bandwidth(dispatch_s: float = 0.0, numel: int = _UPDATE_NUMEL) -> float:
+def measure_update_bandwidth(dispatch_s: float = 0.0, tensors: int = _UPDATE_TENSORS) -> float:
     """B/s of torch's AdamW update (``adam-fp32``'s ``update_traffic`` over the step's time
-    less ``dispatch_s`` per op) over ``_UPDATE_TENSORS`` parameters of ``numel``
+    less ``dispatch_s`` per op) over ``tensors`` parameters of ``_UPDATE_NUMEL``
     elements.  Its ops are not copies: ``lerp_``, ``addcmul_`` and ``addcdiv_`` read two or
     three tensors, ``sqrt`` and ``div`` allocate their outputs; on a lent 16-core machine
     they moved 13-15 GB/s per rank where a copy moved 21.7, so pricing the update at the
     copy's bandwidth put the optimizer 30% low there; on the 2-core machine, 4 ranks at once,
     it runs 1.4-1.5x a copy's speed (its arithmetic leaves the shared memory bus less
     contended), and the copy's bandwidth put it too high."""
-    step = _adamw_step_time(lambda: torch.ones(numel), _UPDATE_TENSORS)
-    traffic = model_state_bytes(_UPDATE_TENSORS * numel, "adam-fp32").update_traffic
-    return traffic / max(step - _adamw_ops(_UPDATE_TENSORS) * dispatch_s, step / 2)
+    step = _adamw_step_time(lambda: torch.ones(_UPDATE_NUMEL), tensors)
+    traffic = model_state_bytes(tensors * _UPDATE_NUMEL, "adam-fp32").update_traffic
+    return traffic / max(step - _adamw_ops(tensors) * dispatch_s, step / 2)
 
 
 def measure_memory_bandwidth(nbytes: int = COPY_BYTES) -> float:
@@ -453,13 +456,14 @@ def measure_fresh_pages(nbytes: int = FRESH_BYTES) -> float:
 
 
 def measure_transcendental_rate(nbytes: int = COPY_BYTES) -> float:
-    """exp evaluations per second: ``torch.exp`` of a float32 tensor larger than a core's
-    share of the cache into a fresh output, as an eager op writes.  A CPU evaluates exp
-    as a polynomial of a dozen vector instructions, so softmax, SiLU and the loss's
+    """exp evaluations per second: ``torch.exp`` of float32 tensors of ``COPY_BYTES`` each,
+    ``nbytes`` of them in turn, into a new output, as an eager op writes.  A CPU evaluates
+    exp as a polynomial of a dozen vector instructions, so softmax, SiLU and the loss's
     log-softmax run at this rate rather than at the copy bandwidth (here 4 ranks at once:
     exp 0.5 G elements/s per rank, copy 1.6 G)."""
-    x = torch.randn(nbytes // 4)
-    return x.numel() / _median_time(lambda: torch.exp(x))
+    xs = torch.randn(max(1, nbytes // COPY_BYTES), COPY_BYTES // 4)
+    turn = itertools.cycle(xs)
+    return xs.shape[1] / _median_time(lambda: torch.exp(next(turn)))
 
 
 ATTENTION_SHAPE = (4, 8, 256, 64)  # batch, heads, sequence, head dim: a mid-size causal block
@@ -552,7 +556,7 @@ def measure_device(world: int) -> dict[str, Any]:
     """Every device constant, measured by this rank while the other ranks do the same."""
     sizes = OperandSizes.for_job(world)
     floor, dtensor = together(lambda: measure_op_overhead(world))
-    out: dict[str, Any] = {"floor": floor, "dtensor": dtensor}
+    out: dict[str, Any] = {"floor": floor, "dtensor": dtensor, "operands": asdict(sizes)}
     out["fp32"] = measure_gemm(torch.float32, floor, sizes.gemm_pool)
     out["columns"] = measure_gemm_columns(out["fp32"], floor, sizes.gemm_pool)
     try:
@@ -560,7 +564,7 @@ def measure_device(world: int) -> dict[str, Any]:
     except RuntimeError:  # a CPU build without bf16 matmul kernels (every rank alike)
         out["bf16"] = None
     out["bandwidth"] = together(lambda: measure_memory_bandwidth(sizes.copy))
-    out["update"] = together(lambda: measure_update_bandwidth(floor, sizes.update_numel))
+    out["update"] = together(lambda: measure_update_bandwidth(floor, sizes.update_tensors))
     out["fresh_pages"] = together(measure_fresh_pages)
     out["exp"] = together(lambda: measure_transcendental_rate(sizes.copy))
     out["attention"] = together(measure_attention_rate)
@@ -941,7 +945,7 @@ def profile_from_job(
         groups.append({"size": g, "latency_s": latency, "busbw": busbw})
         progress(f"  groups of {g}: " + ", ".join(
             f"{k} {latency[k] * 1e6:.0f} us + {busbw[k] / 1e9:.2f} GB/s" for k in COLLECTIVE_KINDS))
-    operands = OperandSizes.for_job(ranks)
+    operands = OperandSizes(**result["device"][0]["operands"])  # what the ranks measured with
     peaks = {"fp32": max(r for _, r in device["fp32"])}
     if "bf16" in device:
         peaks["bf16"] = max(r for _, r in device["bf16"])
@@ -990,7 +994,7 @@ def profile_from_job(
         f"measured by `meshplan calibrate` on {platform.node()} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
-        f"gloo job (operands sized so that the ranks together span at least twice the {last_level_cache_bytes() >> 20} MiB of last-level cache: GEMMs {list(GEMM_SIZES)} on a {operands.gemm_pool >> 20} MB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {operands.copy >> 20} MB copies and exps, AdamW steps over {_UPDATE_TENSORS} parameters of {operands.update_numel} elements (update_bandwidth), {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, plain and tensor-parallel on all ranks over a fake process group (less its redistributions), FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
+        f"gloo job (operands sized so that the ranks together span at least twice the {last_level_cache_bytes() >> 20} MiB of last-level cache: GEMMs {list(GEMM_SIZES)} on a {operands.gemm_pool >> 20} MiB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {operands.copy >> 20} MiB copies, exps over as much in {COPY_BYTES >> 20} MiB pieces, AdamW steps over {operands.update_tensors} parameters of {_UPDATE_NUMEL} elements (update_bandwidth), {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, plain and tensor-parallel on all ranks over a fake process group (less its redistributions), FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
         f"AdamW steps on {_OPTIMIZER_TENSORS} tiny DTensor vs plain parameters, "
         f"{256 * ranks} B DTensor redistributions vs raw collectives (thread CPU time x core share), timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
         f"overlap_exposure 1, not measured: on a CPU FSDP2 issues its all-gathers and gradient reductions "

@@ -93,7 +93,8 @@ def test_fit_excludes_the_staging_pages_comm_adds_back():
     rank = {"floor": 2e-6, "dtensor": 3e-5, "redistribute": 1e-3, "bandwidth": 1e10, "update": 6e9,
             "fresh_pages": byte_s, "exp": 5e8, "attention": 1e10, "node_host": 1e-4,
             "dtensor_node": 2e-4, "fp32": [(1e6, 2e10), (1e9, 4e10)], "bf16": None, "columns": [(32, 0.5), (256, 1.0)],
-            "fsdp": {"replicate": (1e-3, 1e-10), "fully_shard": (2e-3, 2e-10)}}
+            "fsdp": {"replicate": (1e-3, 1e-10), "fully_shard": (2e-3, 2e-10)},
+            "operands": {"gemm_pool": 2**26, "copy": 2**24, "update_tensors": 4}}
     result = {"ranks": 4, "device": [rank] * 4,
               "collectives": {4: [(k, n, measured(k, n)) for k in COLLECTIVE_KINDS for n in sizes]}}
     profile = profile_from_job("synthetic", result, sizes, progress=lambda _: None)
@@ -112,16 +113,16 @@ def _cache(cpu_dir, index, level, kind, size, shared):
         (d / name).write_text(f"{value}\n")
 
 
-def test_last_level_cache_counts_each_instance_of_the_highest_level_once(tmp_path):
-    cpus = sorted(os.sched_getaffinity(0))
-    for layout, shared in (("one", lambda cpu: "all"), ("per-cpu", lambda cpu: cpu)):
-        for cpu in cpus:  # private L1 and L2; a 32 MiB L3 shared by the CPUs `shared` names alike
+def test_last_level_cache_counts_each_instance_of_the_highest_level_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    for layout, shared in (("one", lambda cpu: "0-3"), ("per-pair", lambda cpu: cpu // 2)):
+        for cpu in range(4):  # private L1 and L2; a 32 MiB L3 shared by the CPUs `shared` names alike
             _cache(tmp_path / layout / f"cpu{cpu}", 0, 1, "Data", "48K", cpu)
             _cache(tmp_path / layout / f"cpu{cpu}", 1, 1, "Instruction", "32K", cpu)
-            _cache(tmp_path / layout / f"cpu{cpu}", 2, 2, "Unified", "2048K", cpu)
+            _cache(tmp_path / layout / f"cpu{cpu}", 2, 2, "Unified", "2M", cpu)
             _cache(tmp_path / layout / f"cpu{cpu}", 3, 3, "Unified", "32768K", shared(cpu))
     assert last_level_cache_bytes(tmp_path / "one") == 32 * 2**20
-    assert last_level_cache_bytes(tmp_path / "per-cpu") == len(cpus) * 32 * 2**20
+    assert last_level_cache_bytes(tmp_path / "per-pair") == 2 * 32 * 2**20
     assert last_level_cache_bytes(tmp_path / "absent") == 0
 
 
@@ -130,10 +131,14 @@ def test_operands_overflow_the_last_level_cache_twice_over_all_ranks(monkeypatch
     sizes = OperandSizes.for_job(4)  # the lent 16-core machine: 4 ranks share 300 MiB of L3
     assert sizes.gemm_pool == 150 * 2**20
     assert sizes.copy == 75 * 2**20  # read and written: 150 MiB per rank
-    assert sizes.update_numel * 4 * 4 * 4 == 150 * 2**20  # 4 parameters of 4 fp32 states
+    assert sizes.update_tensors == 9  # of 2^20 elements and 4 fp32 states: 144 of the 150 MiB
     monkeypatch.setattr("cost_model.calibrate.last_level_cache_bytes", lambda: 32 * 2**20)
     small = OperandSizes.for_job(4)  # this machine: the floors already overflow it
-    assert (small.gemm_pool, small.copy, small.update_numel) == (COLD_BYTES, COPY_BYTES, 2**20)
+    assert (small.gemm_pool, small.copy, small.update_tensors) == (COLD_BYTES, COPY_BYTES, 4)
+    # a VM listing each of 64 vCPUs' 300 MiB as its own: capped at 1/8 of the free memory per rank
+    monkeypatch.setattr("cost_model.calibrate.last_level_cache_bytes", lambda: 64 * 300 * 2**20)
+    monkeypatch.setattr("psutil.virtual_memory", lambda: type("Memory", (), {"available": 16 * 2**30})())
+    assert OperandSizes.for_job(4).gemm_pool == 16 * 2**30 // 8 // 4
 
 
 def test_calibrate_argument_errors(tmp_path):
