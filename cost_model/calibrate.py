@@ -66,10 +66,12 @@ GEMM_SIZES = (64, 128, 256, 512, 1024)
 # Output widths of the narrow GEMMs (a linear of 1024 tokens x 256 features to these),
 # the shapes tensor parallelism cuts projections into (measure_gemm_columns).
 COLUMN_SIZES = (16, 32, 64, 128, 256, 512)
-COPY_BYTES = 16 * 2**20  # the least a copy or exp moves; OperandSizes raises it for larger caches
-COLD_BYTES = 64 * 2**20  # the least GEMM operand pool per rank; likewise
-_UPDATE_NUMEL = 2**20  # the least elements per parameter of the update's bandwidth: bytes, not dispatch
-_UPDATE_TENSORS = 4
+# The least each memory-bound micro-benchmark spans per rank; OperandSizes raises them
+# where the last-level cache is larger.
+COPY_BYTES = 16 * 2**20  # a copy's source (and an exp's input piece, which stays this size)
+COLD_BYTES = 64 * 2**20  # GEMM operand pool
+_UPDATE_NUMEL = 2**20  # elements per parameter of the AdamW update: bytes, not dispatch
+_UPDATE_TENSORS = 4  # its parameters
 # glibc's malloc serves a block from its mmap threshold with fresh pages and unmaps it on
 # free; the threshold adapts upwards to freed blocks but stops at 32 MiB on 64-bit Linux
 # (DEFAULT_MMAP_THRESHOLD_MAX), so from there every allocation faults its pages in anew.
