@@ -357,14 +357,16 @@ class OperandSizes:
     larger ones: an eager op's output from ``FRESH_ALLOC_BYTES`` up would take fresh pages
     on every call, which the update and exp must not pay."""
 
+    cache: int  # bytes of last-level cache they were sized for (0: sysfs did not say)
     gemm_pool: int  # bytes of GEMM operand pairs cycled through (cold_gemm_time)
     copy: int  # bytes a copy reads (and writes); exp cycles through as many in COPY_BYTES pieces
     update_tensors: int  # parameters of _UPDATE_NUMEL elements in the AdamW update (4 fp32 states each)
 
     @classmethod
     def for_job(cls, world: int) -> OperandSizes:
-        span = min(2 * last_level_cache_bytes(), psutil.virtual_memory().available // 8) // world
-        return cls(gemm_pool=max(COLD_BYTES, span), copy=max(COPY_BYTES, span // 2),
+        cache = last_level_cache_bytes()
+        span = min(2 * cache, psutil.virtual_memory().available // 8) // world
+        return cls(cache=cache, gemm_pool=max(COLD_BYTES, span), copy=max(COPY_BYTES, span // 2),
                    update_tensors=max(_UPDATE_TENSORS, span // (16 * _UPDATE_NUMEL)))
 
 
@@ -996,7 +998,7 @@ def profile_from_job(
         f"measured by `meshplan calibrate` on {platform.node()} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
-        f"gloo job (operands sized so that the ranks together span at least twice the {last_level_cache_bytes() >> 20} MiB of last-level cache: GEMMs {list(GEMM_SIZES)} on a {operands.gemm_pool >> 20} MiB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {operands.copy >> 20} MiB copies, exps over as much in {COPY_BYTES >> 20} MiB pieces, AdamW steps over {operands.update_tensors} parameters of {_UPDATE_NUMEL} elements (update_bandwidth), {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, plain and tensor-parallel on all ranks over a fake process group (less its redistributions), FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
+        f"gloo job (operands sized so that the ranks together span at least twice the {operands.cache >> 20} MiB of last-level cache: GEMMs {list(GEMM_SIZES)} on a {operands.gemm_pool >> 20} MiB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {operands.copy >> 20} MiB copies, exps over as much in {COPY_BYTES >> 20} MiB pieces, AdamW steps over {operands.update_tensors} parameters of {_UPDATE_NUMEL} elements (update_bandwidth), {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, plain and tensor-parallel on all ranks over a fake process group (less its redistributions), FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
         f"AdamW steps on {_OPTIMIZER_TENSORS} tiny DTensor vs plain parameters, "
         f"{256 * ranks} B DTensor redistributions vs raw collectives (thread CPU time x core share), timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
         f"overlap_exposure 1, not measured: on a CPU FSDP2 issues its all-gathers and gradient reductions "

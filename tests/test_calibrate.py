@@ -94,7 +94,7 @@ def test_fit_excludes_the_staging_pages_comm_adds_back():
             "fresh_pages": byte_s, "exp": 5e8, "attention": 1e10, "node_host": 1e-4,
             "dtensor_node": 2e-4, "fp32": [(1e6, 2e10), (1e9, 4e10)], "bf16": None, "columns": [(32, 0.5), (256, 1.0)],
             "fsdp": {"replicate": (1e-3, 1e-10), "fully_shard": (2e-3, 2e-10)},
-            "operands": {"gemm_pool": 2**26, "copy": 2**24, "update_tensors": 4}}
+            "operands": {"cache": 2**25, "gemm_pool": 2**26, "copy": 2**24, "update_tensors": 4}}
     result = {"ranks": 4, "device": [rank] * 4,
               "collectives": {4: [(k, n, measured(k, n)) for k in COLLECTIVE_KINDS for n in sizes]}}
     profile = profile_from_job("synthetic", result, sizes, progress=lambda _: None)
