@@ -126,7 +126,8 @@ class FsdpOverhead(_Strict):
     """Host time FSDP2 adds to one micro-batch's forward + backward, per mode: its hooks
     and buffer bookkeeping per unit, and copies of the unit's parameters and gradients
     into and out of the collectives' flat buffers per byte.  A CPU runs it on the cores
-    the compute uses; a GPU host issues it beside the kernels (not set there)."""
+    the compute uses; a GPU host issues it beside the kernels (not set there), and the
+    copies are kernels priced from their bytes (cost_model.step.fsdp_copy_time)."""
 
     unit_s: float = Field(ge=0, description="per FSDP2 unit (a layer, the root), s")
     byte_s: float = Field(ge=0, description="per byte of the unit's unsharded parameters, s")

@@ -234,6 +234,49 @@ def fsdp_host_time(profile: Profile, mode: str, units: int, param_bytes: float,
     return 0.0 if over is None else microbatches * (units * over.unit_s + param_bytes * over.byte_s)
 
 
+def fsdp_copy_bytes(optimizer: str, shard: int) -> tuple[float, float]:
+    """(bytes per parameter of one all-gather, of one gradient reduction) that FSDP2's own
+    copy kernels read and write on a GPU, for a unit sharded over ``shard`` ranks (1: the
+    size-1 shard dim of HSDP's replicate-only mode).
+
+    From torch's ``_fully_shard/_fsdp_collectives.py`` and ``_fsdp_param_group.py`` (2.13),
+    with ``w`` the gathered (compute) bytes and ``g`` the gradient bytes per parameter
+    (``StateBytes.weights`` and ``.grads``), the sharded parameter and the reduction in
+    fp32 (mixed precision's ``reduce_dtype``, TorchTitan's default, and the master copy):
+
+    * all-gather: the copy-in of the local shard into the flat input buffer, cast from
+      fp32 on the way where ``w`` < 4 (read 4, write ``w``) and copied (read and write
+      ``w``), on ``1/shard`` of the parameters; the copy-out of the flat output into the
+      unsharded parameters (read and write ``w``).  With one rank there is no flat
+      buffer: the cast shard is copied into the unsharded parameter once.
+    * reduction: ``_chunk_cat`` of the unsharded gradients into the fp32 buffer (read
+      ``g``, write 4); the reduced shard is then viewed, not copied.  With one rank the
+      buffer is copied into the output (read and write 4) in place of the collective.
+
+    The copy-out and the reduction's copy-in run on the compute stream, between a layer's
+    kernels.  Session 19's H100 run (docs/cost_model.md, On a GPU) measured 33.6 ms of
+    these kernels in one step of a one-rank FSDP2 over 1.92e9 parameters (torch 2.11),
+    which no GPU profile priced.
+    """
+    per = state_bytes_per_param(optimizer)
+    w, g = per.weights, per.grads
+    copy_in = (4 + w if w < 4 else 0) + 2 * w
+    if shard == 1:
+        return copy_in, g + 4 + 8
+    return 2 * w + copy_in / shard, g + 4
+
+
+def fsdp_copy_time(profile: Profile, optimizer: str, params: float, shard: int, microbatches: int = 1) -> float:
+    """Device seconds of FSDP2's copy kernels (``fsdp_copy_bytes``) per step over ``params``
+    unsharded parameters, two all-gathers (forward, backward) and one reduction per
+    micro-batch, at the profile's copy bandwidth; 0 on a CPU profile, whose calibrated
+    ``fsdp_overhead`` byte constant holds the copies (the host runs them there)."""
+    if profile.device_type == "cpu":
+        return 0.0
+    gather, reduce = fsdp_copy_bytes(optimizer, shard)
+    return op_time(profile, 0, microbatches * params * (2 * gather + reduce), host_s=0.0)
+
+
 def fsdp_gathers(microbatches: int, pipelined: bool, kept: bool) -> int:
     """All-gathers of one FSDP2 unit's parameters per step, as ``executor.apply`` runs FSDP2.
 

@@ -36,7 +36,7 @@ from cost_model.step import (
     partial_grad_time,
 )
 from planner.ilp import Solution
-from planner.strategies import Context, Unit, fsdp_degree, fsdp_host_s, layer_index, loss_mean_s
+from planner.strategies import Context, Unit, fsdp_degree, fsdp_extra_s, layer_index, loss_mean_s
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
     pending = partials[0] * n + (partials[1] if index == 0 else []) + (partials[2] if index == pp - 1 else [])
     partial_s = partial_grad_time(ctx.profile, ctx.mesh_shape, pending, bucketed=ctx.data_ranks == 1)
     per = state_bytes_per_param(ctx.optimizer)
-    compute = part.compute_s + fsdp_host_s(ctx, n + 1, part.state_bytes * per.weights / per.total) / ctx.microbatches
+    compute = part.compute_s + fsdp_extra_s(ctx, n + 1, part.state_bytes * per.weights / per.total) / ctx.microbatches
     fwd = (compute - part.recompute_s) / 3  # backward = 2x forward, plus the recompute
     # torch's schedules reduce a stage's gradients once, after its last backward (unlike
     # the micro-batches of executor.accumulate, each reduced: Context.grad_reductions)

@@ -78,7 +78,7 @@ from planner.strategies import (
     canonical_map,
     concrete,
     fsdp_degree,
-    fsdp_host_s,
+    fsdp_extra_s,
     fsdp_shard,
     loss_mean_s,
     norm_module_node,
@@ -230,7 +230,7 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
         reductions=(layers + 1) * ctx.grad_reductions)
     gather = sum(c.gather_s * units[k].gathers for k, c in sol.choice.items()) + gather_lat
     state = [sum(c.state[i] for c in chosen) for i in range(3)]
-    compute += fsdp_host_s(ctx, graph.graph["layers"] + 1, state[0])
+    compute += fsdp_extra_s(ctx, graph.graph["layers"] + 1, state[0])
     # backward = 2x forward, plus what checkpointing recomputes
     recompute = sum(c.recompute_s for c in chosen)
     fwd = (compute - recompute) / 3

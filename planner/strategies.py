@@ -40,7 +40,13 @@ from cost_model.comm import collective_time
 from cost_model.compute import column_factor, fresh_pages_time, op_time
 from cost_model.memory import state_bytes_per_param
 from cost_model.profile import Profile
-from cost_model.step import fsdp_gathers, fsdp_host_time, fsdp_step_gathers, loss_mean_time
+from cost_model.step import (
+    fsdp_copy_time,
+    fsdp_gathers,
+    fsdp_host_time,
+    fsdp_step_gathers,
+    loss_mean_time,
+)
 from planner.schema import fqn_pattern, shard_dim
 from planner.tracer import layer_weight
 
@@ -719,12 +725,17 @@ def unit_params(ctx: Context, param_shapes: Mapping[str, Sequence[int]],
     return root, max(layers.values(), default=0.0)
 
 
-def fsdp_host_s(ctx: Context, units: int, weight_bytes: float) -> float:
-    """FSDP2's host time per step (cost_model.step.fsdp_host_time) for ``units`` units
-    whose weights take ``weight_bytes`` per device at rest (1/degree of them under FSDP)."""
+def fsdp_extra_s(ctx: Context, units: int, weight_bytes: float) -> float:
+    """FSDP2's own time per step besides its collectives, for ``units`` units whose
+    weights take ``weight_bytes`` per device at rest (1/degree of them under FSDP): its
+    host work where the profile has it (``cost_model.step.fsdp_host_time``: a CPU's) and
+    its copy kernels on a GPU (``cost_model.step.fsdp_copy_time``)."""
     degree = ctx.data_ranks
     if degree == 1:
         return 0.0
     fsdp = "dp" in ctx.fsdp
-    return fsdp_host_time(ctx.profile, "fully_shard" if fsdp else "replicate", units,
+    shard = fsdp_degree(ctx)
+    host = fsdp_host_time(ctx.profile, "fully_shard" if fsdp else "replicate", units,
                           weight_bytes * (degree if fsdp else 1), ctx.microbatches)
+    params = weight_bytes * shard / state_bytes_per_param(ctx.optimizer).weights
+    return host + fsdp_copy_time(ctx.profile, ctx.optimizer, params, shard, ctx.microbatches)
