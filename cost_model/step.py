@@ -234,10 +234,11 @@ def fsdp_host_time(profile: Profile, mode: str, units: int, param_bytes: float,
     return 0.0 if over is None else microbatches * (units * over.unit_s + param_bytes * over.byte_s)
 
 
-def fsdp_copy_bytes(optimizer: str, shard: int) -> tuple[float, float]:
-    """(bytes per parameter of one all-gather, of one gradient reduction) that FSDP2's own
-    copy kernels read and write on a GPU, for a unit sharded over ``shard`` ranks (1: the
-    size-1 shard dim of HSDP's replicate-only mode).
+def fsdp_copy_bytes(optimizer: str, shard: int) -> tuple[float, float, float]:
+    """(bytes per parameter of one all-gather, of one gradient reduction, of accumulating a
+    reduced gradient into the step's earlier ones) that FSDP2's own copy kernels read and
+    write on a GPU, for a unit sharded over ``shard`` ranks (1: the size-1 shard dim of
+    HSDP's replicate-only mode).
 
     From torch's ``_fully_shard/_fsdp_collectives.py`` and ``_fsdp_param_group.py``,
     with ``w`` the gathered (compute) bytes and ``g`` the gradient bytes per parameter
@@ -252,32 +253,36 @@ def fsdp_copy_bytes(optimizer: str, shard: int) -> tuple[float, float]:
     * reduction: ``_chunk_cat`` of the unsharded gradients into the fp32 buffer (read
       ``g``, write 4); the reduced shard is then viewed, not copied.  With one rank the
       buffer is copied into the output (read and write 4) in place of the collective.
+    * accumulation: a later micro-batch's reduced shard added to the sharded gradient the
+      step's first reduction left (read 4 twice, write 4, over ``1/shard``).
 
     The copy-out and the reduction's copy-in run on the compute stream, between a layer's
     kernels.  Checked op by op on CPU (FSDP2's Python is the same there; torch 2.11 and
     2.13, 2 ranks, 1 rank and HSDP 2 x 1, both optimizers): the aten copies FSDP2 issued
-    moved exactly these bytes.  Not counted: a gradient accumulated into one kept from
-    the last step (``zero_grad(set_to_none=False)``: 12/shard B more per reduction).  Session 19's H100 run (docs/cost_model.md, On a GPU) measured 33.6 ms of
-    these kernels in one step of a one-rank FSDP2 over 1.92e9 parameters (torch 2.11),
-    which no GPU profile priced.
+    moved exactly these bytes.  Not counted: the unsharded fp32 gradients a pipeline
+    schedule accumulates between reductions (``set_requires_gradient_sync(False)``).
     """
     per = state_bytes_per_param(optimizer)
     w, g = per.weights, per.grads
     copy_in = (4 + w if w < 4 else 0) + 2 * w
     if shard == 1:
-        return copy_in, g + 4 + 8
-    return 2 * w + copy_in / shard, g + 4
+        return copy_in, g + 4 + 8, 12
+    return 2 * w + copy_in / shard, g + 4, 12 / shard
 
 
-def fsdp_copy_time(profile: Profile, optimizer: str, params: float, shard: int, microbatches: int = 1) -> float:
-    """Device seconds of FSDP2's copy kernels (``fsdp_copy_bytes``) per step over ``params``
-    unsharded parameters, two all-gathers (forward, backward) and one reduction per
-    micro-batch, at the profile's copy bandwidth; 0 on a CPU profile, whose calibrated
-    ``fsdp_overhead`` byte constant holds the copies (the host runs them there)."""
+def fsdp_copy_time(profile: Profile, optimizer: str, shard: int, gathered: float, reduced: float,
+                   reductions: int = 1) -> float:
+    """Device seconds per step of FSDP2's copy kernels (``fsdp_copy_bytes``), at the
+    profile's copy bandwidth: ``gathered`` parameters all-gathered (each unit's unsharded
+    parameters times its all-gathers in the step, ``fsdp_gathers``), ``reduced``
+    parameters whose gradients are reduced ``reductions`` times, all but the first
+    accumulated.  0 on a CPU profile, whose calibrated ``fsdp_overhead`` byte constant
+    holds the copies (the host runs them there)."""
     if profile.device_type == "cpu":
         return 0.0
-    gather, reduce = fsdp_copy_bytes(optimizer, shard)
-    return op_time(profile, 0, microbatches * params * (2 * gather + reduce), host_s=0.0)
+    gather, reduce, accumulate = fsdp_copy_bytes(optimizer, shard)
+    moved = gathered * gather + reduced * (reductions * reduce + (reductions - 1) * accumulate)
+    return op_time(profile, 0, moved, host_s=0.0)
 
 
 def fsdp_gathers(microbatches: int, pipelined: bool, kept: bool) -> int:

@@ -36,7 +36,15 @@ from cost_model.step import (
     partial_grad_time,
 )
 from planner.ilp import Solution
-from planner.strategies import Context, Unit, fsdp_degree, fsdp_extra_s, layer_index, loss_mean_s
+from planner.strategies import (
+    Context,
+    Unit,
+    fsdp_copy_s,
+    fsdp_degree,
+    fsdp_host_s,
+    layer_index,
+    loss_mean_s,
+)
 
 
 @dataclass(frozen=True)
@@ -196,8 +204,6 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
     pending = partials[0] * n + (partials[1] if index == 0 else []) + (partials[2] if index == pp - 1 else [])
     partial_s = partial_grad_time(ctx.profile, ctx.mesh_shape, pending, bucketed=ctx.data_ranks == 1)
     per = state_bytes_per_param(ctx.optimizer)
-    compute = part.compute_s + fsdp_extra_s(ctx, n + 1, part.state_bytes * per.weights / per.total) / ctx.microbatches
-    fwd = (compute - part.recompute_s) / 3  # backward = 2x forward, plus the recompute
     # torch's schedules reduce a stage's gradients once, after its last backward (unlike
     # the micro-batches of executor.accumulate, each reduced: Context.grad_reductions)
     assert ctx.grad_reductions == 1  # noqa: S101
@@ -205,6 +211,11 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
     # virtual stage's last block keeps its parameters (cost_model.step.fsdp_gathers)
     m, kept = ctx.microbatches, min(virtual, n)
     gathers = fsdp_step_gathers(m, True, n, kept)
+    weights = part.state_bytes * per.weights / per.total
+    layer_weights = layer.state_bytes * per.weights / per.total
+    gathered = weights + (gathers - n - 1) * layer_weights  # each unit once, the unkept layers m more times
+    compute = part.compute_s + (fsdp_host_s(ctx, n + 1, weights) + fsdp_copy_s(ctx, gathered, weights, 1)) / m
+    fwd = (compute - part.recompute_s) / 3  # backward = 2x forward, plus the recompute
     gather_lat, reduce_lat = bucket_latency(ctx.profile, ctx.mesh_shape, ctx.data_dims, "dp" in ctx.fsdp,
                                             gathers=gathers, reductions=n + 1)
     root_gather = part.gather_s - n * layer.gather_s

@@ -77,8 +77,9 @@ from planner.strategies import (
     build_units,
     canonical_map,
     concrete,
+    fsdp_copy_s,
     fsdp_degree,
-    fsdp_extra_s,
+    fsdp_host_s,
     fsdp_shard,
     loss_mean_s,
     norm_module_node,
@@ -230,7 +231,8 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
         reductions=(layers + 1) * ctx.grad_reductions)
     gather = sum(c.gather_s * units[k].gathers for k, c in sol.choice.items()) + gather_lat
     state = [sum(c.state[i] for c in chosen) for i in range(3)]
-    compute += fsdp_extra_s(ctx, graph.graph["layers"] + 1, state[0])
+    compute += fsdp_host_s(ctx, graph.graph["layers"] + 1, state[0]) + fsdp_copy_s(
+        ctx, sum(c.state[0] * units[k].gathers for k, c in sol.choice.items()), state[0], ctx.grad_reductions)
     # backward = 2x forward, plus what checkpointing recomputes
     recompute = sum(c.recompute_s for c in chosen)
     fwd = (compute - recompute) / 3

@@ -725,17 +725,25 @@ def unit_params(ctx: Context, param_shapes: Mapping[str, Sequence[int]],
     return root, max(layers.values(), default=0.0)
 
 
-def fsdp_extra_s(ctx: Context, units: int, weight_bytes: float) -> float:
-    """FSDP2's own time per step besides its collectives, for ``units`` units whose
-    weights take ``weight_bytes`` per device at rest (1/degree of them under FSDP): its
-    host work where the profile has it (``cost_model.step.fsdp_host_time``: a CPU's) and
-    its copy kernels on a GPU (``cost_model.step.fsdp_copy_time``)."""
+def fsdp_host_s(ctx: Context, units: int, weight_bytes: float) -> float:
+    """FSDP2's host time per step (cost_model.step.fsdp_host_time) for ``units`` units
+    whose weights take ``weight_bytes`` per device at rest (1/degree of them under FSDP)."""
     degree = ctx.data_ranks
     if degree == 1:
         return 0.0
     fsdp = "dp" in ctx.fsdp
-    shard = fsdp_degree(ctx)
-    host = fsdp_host_time(ctx.profile, "fully_shard" if fsdp else "replicate", units,
+    return fsdp_host_time(ctx.profile, "fully_shard" if fsdp else "replicate", units,
                           weight_bytes * (degree if fsdp else 1), ctx.microbatches)
-    params = weight_bytes * shard / state_bytes_per_param(ctx.optimizer).weights
-    return host + fsdp_copy_time(ctx.profile, ctx.optimizer, params, shard, ctx.microbatches)
+
+
+def fsdp_copy_s(ctx: Context, gathered_bytes: float, weight_bytes: float, reductions: int) -> float:
+    """FSDP2's copy kernels per step on a GPU (cost_model.step.fsdp_copy_time) for weights
+    of ``weight_bytes`` per device at rest (1/degree of them under FSDP), their gradients
+    reduced ``reductions`` times, and ``gathered_bytes`` of them at rest times their
+    all-gathers in the step."""
+    if ctx.data_ranks == 1:
+        return 0.0
+    shard = fsdp_degree(ctx)
+    per_param = shard / state_bytes_per_param(ctx.optimizer).weights
+    return fsdp_copy_time(ctx.profile, ctx.optimizer, shard, gathered_bytes * per_param,
+                          weight_bytes * per_param, reductions)

@@ -860,40 +860,54 @@ def test_fsdp_gathers_per_unit_follow_fsdp2s_resharding():
 
 
 def test_fsdp_copy_kernels_by_hand(toy):
-    """FSDP2's copies per parameter (torch 2.13's _fsdp_collectives): an all-gather's
-    copy-in of the shard (cast from fp32 under mixed precision: read 4, write 2; then
-    read 2, write 2) over the shard count and its copy-out (read 2, write 2); a
-    reduction's _chunk_cat of bf16 gradients into fp32 (read 2, write 4).  One rank has
-    no flat buffer to copy out of, and copies the reduced buffer instead (read 4, write 4)."""
-    assert fsdp_copy_bytes("adam-mixed", 8) == (2 * 2 + (4 + 2 + 2 * 2) / 8, 2 + 4)
-    assert fsdp_copy_bytes("adam-mixed", 1) == (4 + 2 + 2 * 2, 2 + 4 + 8)
-    assert fsdp_copy_bytes("adam-fp32", 8) == (2 * 4 + 2 * 4 / 8, 4 + 4)  # no cast
-    assert fsdp_copy_bytes("adam-fp32", 1) == (2 * 4, 4 + 4 + 8)
+    """FSDP2's copies per parameter (torch's _fsdp_collectives): an all-gather's copy-in of
+    the shard (cast from fp32 under mixed precision: read 4, write 2; then read 2, write 2)
+    over the shard count and its copy-out (read 2, write 2); a reduction's _chunk_cat of
+    bf16 gradients into fp32 (read 2, write 4); a later micro-batch's reduced shard added
+    to the first's (read 4 twice, write 4).  One rank has no flat buffer to copy out of,
+    and copies the reduced buffer instead (read 4, write 4)."""
+    assert fsdp_copy_bytes("adam-mixed", 8) == (2 * 2 + (4 + 2 + 2 * 2) / 8, 2 + 4, 12 / 8)
+    assert fsdp_copy_bytes("adam-mixed", 1) == (4 + 2 + 2 * 2, 2 + 4 + 8, 12)
+    assert fsdp_copy_bytes("adam-fp32", 8) == (2 * 4 + 2 * 4 / 8, 4 + 4, 12 / 8)  # no cast
+    assert fsdp_copy_bytes("adam-fp32", 1) == (2 * 4, 4 + 4 + 8, 12)
     # more shards never copy more
     for opt in ("adam-mixed", "adam-fp32"):
         per = [sum(fsdp_copy_bytes(opt, n)) for n in (1, 2, 8, 64)]
         assert per == sorted(per, reverse=True)
-    # two gathers and one reduction per micro-batch, at the toy's 0.5 x 2 TB/s copy rate
-    params = 1e9
-    assert fsdp_copy_time(toy, "adam-mixed", params, 8, microbatches=2) == pytest.approx(
-        2 * params * (2 * 5.25 + 6) / 1e12)
-    assert fsdp_copy_time(load_profile("cpu-gloo-local"), "adam-mixed", params, 8) == 0  # in fsdp_overhead
+    # 3e9 parameter-gathers, 1e9 parameters reduced twice (once accumulated), at the toy's
+    # 0.5 x 2 TB/s copy rate
+    assert fsdp_copy_time(toy, "adam-mixed", 8, 3e9, 1e9, reductions=2) == pytest.approx(
+        (3e9 * 5.25 + 1e9 * (2 * 6 + 1.5)) / 1e12)
+    assert fsdp_copy_time(load_profile("cpu-gloo-local"), "adam-mixed", 8, 3e9, 1e9) == 0  # in fsdp_overhead
 
 
-def test_fsdp_copies_are_in_a_gpu_plans_compute():
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_fsdp_copies_are_in_a_gpu_plans_compute(microbatches):
     """The only compute a fully sharded data-parallel layout adds over a replicated one of
-    the same local batch is the copies' difference (GPU profiles have no FSDP2 host time)."""
+    the same local batch is the copies' difference (GPU profiles have no FSDP2 host time):
+    per micro-batch, every layer's unit gathers twice and reduces once, the last layer's
+    and the root's (embeddings, head, final norm) gather once."""
     import planner
     from planner.presets import load_config
 
-    kw = dict(batch_size=8, seq_len=4096, require_fit=False)  # replicated, the states need 128 GB
+    kw = dict(batch_size=8 * microbatches, seq_len=4096, microbatches=microbatches,
+              require_fit=False)  # replicated, the states need 128 GB
     shard = planner.estimate("llama3-8b", 8, "h100-sxm-80g", dp=8, fsdp=True, **kw).time
     whole = planner.estimate("llama3-8b", 8, "h100-sxm-80g", dp=8, **kw).time
-    params = ModelSpec.from_hf_config(load_config("llama3-8b")).num_params
-    profile = load_profile("h100-sxm-80g")
-    copies = fsdp_copy_time(profile, "adam-mixed", params, 1) - fsdp_copy_time(profile, "adam-mixed", params, 8)
-    assert copies > 0.03  # ~46 ms: 8e9 parameters, 34 against 16.6 B each, at 2.85 TB/s
-    assert whole.compute_s - shard.compute_s == pytest.approx(copies, rel=1e-3)
+    config = load_config("llama3-8b")
+    h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    kv = config.num_key_value_heads * h // config.num_attention_heads
+    layer = h * (2 * h + 2 * kv) + 3 * h * f + 2 * h  # q, o, k, v, gate, up, down, two norms
+    params = ModelSpec.from_hf_config(config).num_params
+    assert params - 32 * layer == 2 * v * h + h  # the root's: embeddings, head, final norm
+    root = params - 32 * layer
+    gathered = microbatches * (31 * 2 * layer + layer + root)  # the last layer and the root gather once
+
+    def copies(n: int) -> float:
+        return fsdp_copy_time(load_profile("h100-sxm-80g"), "adam-mixed", n, gathered, params, microbatches)
+
+    assert copies(1) - copies(8) > 0.03 * microbatches  # ~46 ms a micro-batch: 34 against 16.6 B a parameter
+    assert whole.compute_s - shard.compute_s == pytest.approx(copies(1) - copies(8), rel=1e-4)
 
 
 def test_gradient_reduction_in_every_micro_batch_hides_behind_each_backward():
