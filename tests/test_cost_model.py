@@ -910,6 +910,37 @@ def test_fsdp_copies_are_in_a_gpu_plans_compute(microbatches):
     assert whole.compute_s - shard.compute_s == pytest.approx(copies(1) - copies(8), rel=1e-4)
 
 
+def test_fsdp_copies_of_a_pipeline_stage():
+    """Under a pipeline a stage's unkept layers gather m + 1 times, its last layer and its
+    root (the embeddings on the first stage, the head and norm on the last) once, and every
+    gradient is reduced once (torch's schedules; cost_model.step.fsdp_gathers)."""
+    import planner
+    from planner.presets import load_config
+
+    m, kw = 4, dict(batch_size=16, seq_len=4096, microbatches=4, require_fit=False)
+    shard = planner.hand_plan("llama3-8b", 8, "h100-sxm-80g", dp=4, pp=2, fsdp=True, **kw)
+    whole = planner.hand_plan("llama3-8b", 8, "h100-sxm-80g", dp=4, pp=2, **kw)
+    config = load_config("llama3-8b")
+    h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    kv = config.num_key_value_heads * h // config.num_attention_heads
+    layer = h * (2 * h + 2 * kv) + 3 * h * f + 2 * h
+    roots = (v * h, v * h + h)  # embeddings; head and final norm
+    profile = load_profile("h100-sxm-80g")
+
+    def difference(stage) -> float:  # its copies replicated less fully sharded, per step
+        n = sum(mod.startswith("model.layers.") for mod in stage.modules)
+        weights = n * layer + roots[stage.index]
+        gathered = weights + (n - 1) * m * layer
+        return (fsdp_copy_time(profile, "adam-mixed", 1, gathered, weights)
+                - fsdp_copy_time(profile, "adam-mixed", 4, gathered, weights))
+
+    assert [len(s.modules) for s in shard.pipeline.stages] == [len(s.modules) for s in whole.pipeline.stages]
+    # the step's compute is its slowest stage's
+    got = whole.prediction.time.compute_s - shard.prediction.time.compute_s
+    assert any(got == pytest.approx(difference(s), rel=1e-4) for s in shard.pipeline.stages), (
+        got, [difference(s) for s in shard.pipeline.stages])
+
+
 def test_gradient_reduction_in_every_micro_batch_hides_behind_each_backward():
     """Without a pipeline the data-parallel reduction runs in every micro-batch's backward,
     a share behind each; under one only in the last's, where it outlasts the compute."""
