@@ -13,7 +13,9 @@ not a calibration: nothing here writes a profile.
   ``attention_efficiency``.
 * **One training step** (forward with the loss, backward, AdamW) of Llama 3 8B's
   layers, cut to a few so the whole model and its AdamW state fit on one device,
-  against ``planner.estimate`` on one device.  The step runs two ways:
+  against ``planner.estimate`` on one device (plus, for the FSDP2 run, FSDP2's copy
+  kernels as ``cost_model.step.fsdp_copy_time`` prices them over one rank, which a
+  one-device plan does not run).  The step runs two ways:
   ``fsdp2-bf16`` is what GPU plans price (bf16 compute from fp32 master weights,
   TorchTitan's mixed precision: FSDP2 over a one-rank mesh with a bf16
   ``MixedPrecisionPolicy``); ``autocast`` is fp32 weights under ``torch.autocast``
@@ -48,6 +50,7 @@ import torch.nn.functional as F
 import planner
 from cost_model.compute import gemm_efficiency, op_time, peak_flops
 from cost_model.profile import Profile, load_profile
+from cost_model.step import fsdp_copy_time
 from executor import rng
 from planner.presets import PRESETS, build_model, load_config
 from planner.tracer import layer_weight
@@ -285,6 +288,16 @@ def predicted_ops(config: dict[str, Any], profile: Profile, batch: int, seq: int
     return ops
 
 
+def fsdp2_copies(config: dict[str, Any], profile: Profile) -> float:
+    """What ``cost_model.step.fsdp_copy_time`` prices for ``build``'s FSDP2 over one rank
+    per step: every layer's unit gathers in forward and again in backward (resharded
+    after forward), the root's once, and every gradient is reduced once."""
+    model = build_model(load_config(config), device="meta")
+    params = sum(p.numel() for p in model.parameters())
+    in_layers = sum(p.numel() for p in model.model.layers.parameters())
+    return fsdp_copy_time(profile, "adam-mixed", 1, params + in_layers, params)
+
+
 def predicted_split(ops: dict[str, float]) -> dict[str, float]:
     split = dict.fromkeys(KINDS, 0.0)
     for short, seconds in ops.items():
@@ -329,10 +342,11 @@ def kernel_section(profile: Profile, results: dict[str, Any]) -> None:
 
 def step_section(profile: Profile, layers: int, out: Path | None, results: dict[str, Any]) -> None:
     config = llama_config(layers)
+    copies = fsdp2_copies(config, profile)  # a one-device plan runs no FSDP2: added to fsdp2-bf16's rows
     steps, rows, splits, op_rows = [], [], [], []
     for w, (label, batch, seq) in enumerate(WORKLOADS):
         pred = planner.estimate(config, devices=1, profile=profile, batch_size=batch, seq_len=seq)
-        predicted = predicted_ops(config, profile, batch, seq)
+        predicted = {**predicted_ops(config, profile, batch, seq), "FSDP2's copies": copies}
         split = {**predicted_split(predicted), "optimizer": pred.time.optimizer_s}
         runs = [("fsdp2-bf16", False), ("autocast", False)] + ([("autocast", True)] if w == 0 else [])
         for mode, fused in runs:
@@ -342,11 +356,11 @@ def step_section(profile: Profile, layers: int, out: Path | None, results: dict[
             torch.cuda.empty_cache()
             r["predicted"] = pred.model_dump()
             steps.append(r)
-            t = pred.time
-            rows.append([label, r["mode"], _ms(r["fwd_s"] + r["bwd_s"]), _ms(t.compute_s),
-                         _err(r["fwd_s"] + r["bwd_s"], t.compute_s), _ms(r["opt_s"]), _ms(t.optimizer_s),
-                         _err(r["opt_s"], t.optimizer_s), _ms(r["step_s"]), _ms(t.step_time_s),
-                         _err(r["step_s"], t.step_time_s), f"{r['peak_bytes'] / 2**30:.1f}",
+            t, extra = pred.time, copies if mode == "fsdp2-bf16" else 0.0
+            rows.append([label, r["mode"], _ms(r["fwd_s"] + r["bwd_s"]), _ms(t.compute_s + extra),
+                         _err(r["fwd_s"] + r["bwd_s"], t.compute_s + extra), _ms(r["opt_s"]), _ms(t.optimizer_s),
+                         _err(r["opt_s"], t.optimizer_s), _ms(r["step_s"]), _ms(t.step_time_s + extra),
+                         _err(r["step_s"], t.step_time_s + extra), f"{r['peak_bytes'] / 2**30:.1f}",
                          f"{pred.memory.total / 2**30:.1f}"])
             if "kernels" in r:
                 k = r["kernels"]
