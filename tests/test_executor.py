@@ -8,6 +8,7 @@ with the same training loop run here with a 1-device plan and no process group.
 from __future__ import annotations
 
 import math
+import os
 import re
 import warnings
 from collections import Counter
@@ -1004,6 +1005,27 @@ def test_real_models_built_apart_start_from_the_first_ranks_weights() -> None:
     """FSDP2 sharded each rank's own copy and a replicated dim kept it, so the copies
     trained apart without an error (review); apply now broadcasts them, as DDP does."""
     assert run_on_ranks(4, models_built_apart) == [[True, True, True]] * 4
+
+
+def threads_per_apply() -> list[int]:
+    """The threads this rank runs (Linux: /proc/self/task) after each of three applies of
+    one 2-D plan to new models."""
+    counts = []
+    for _ in range(3):
+        model = build(Case("llama", {"dp": 2, "tp": 2}))
+        executor.apply(make_plan(model, {"dp": 2, "tp": 2}, fsdp=True), model)
+        counts.append(len(os.listdir("/proc/self/task")))
+    executor.rng.deactivate()
+    return counts
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in Linux's /proc")
+def test_applies_share_their_mesh_and_its_process_groups() -> None:
+    """init_device_mesh made new process groups at every apply, each with gloo's threads
+    and sockets for good: ranks that applied plans again and again (the architecture
+    stress job, ~200 applies) ran 1,360 threads each and every apply ~5x slower."""
+    for counts in run_on_ranks(4, threads_per_apply):
+        assert counts[0] == counts[1] == counts[2]
 
 
 def test_an_optimizer_built_before_apply_is_refused_at_its_first_step() -> None:
