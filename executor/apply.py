@@ -337,6 +337,15 @@ def _unmatched_patterns(plan: Plan, model: nn.Module) -> list[str]:
 
 # -- mesh and parameters --------------------------------------------------------------------
 
+# init_device_mesh makes new process groups on every call, and each keeps its threads and
+# connections until the process ends (gloo: two worker threads and a socket loop per
+# group): a process applying plans again and again (a notebook, a sweep, the tests' rank
+# pool) grew by 6 threads a rank per apply on a 2-D mesh, to 1,360 after ~200 applies,
+# each apply then ~5x slower.  So a mesh is kept per default group, device type, shape
+# and dim names, and every apply with the same ones shares it.
+_MESHES: dict[tuple[str, tuple[int, ...], tuple[str, ...]], tuple[Any, DeviceMesh]] = {}
+
+
 def _build_mesh(plan: Plan, layout: _Layout) -> DeviceMesh:
     device = plan.mesh.device_type
     names, shape = list(plan.mesh.names), list(plan.mesh.shape)
@@ -351,17 +360,9 @@ def _build_mesh(plan: Plan, layout: _Layout) -> DeviceMesh:
     key = (device, tuple(shape), tuple(names))
     held = _MESHES.get(key)
     if held is None or held[0] is not dist.group.WORLD:
-        held = _MESHES[key] = (dist.group.WORLD, init_device_mesh(device, key[1], mesh_dim_names=key[2]))
+        mesh = init_device_mesh(device, key[1], mesh_dim_names=key[2])  # (may start the default group)
+        held = _MESHES[key] = (dist.group.WORLD, mesh)
     return held[1]
-
-
-# init_device_mesh makes new process groups on every call, and each keeps its threads and
-# connections until the process ends (gloo: two worker threads and a socket loop per
-# group): a process applying plans again and again (a notebook, a sweep, the tests' rank
-# pool) grew by 6 threads a rank per apply on a 2-D mesh, to 1,360 after ~200 applies,
-# each apply then ~5x slower.  So a mesh is kept per default group, device type, shape
-# and dim names, and every apply with the same ones shares it.
-_MESHES: dict[tuple[str, tuple[int, ...], tuple[str, ...]], tuple[Any, DeviceMesh]] = {}
 
 
 def _from_first_rank(model: nn.Module, mesh: DeviceMesh) -> None:
