@@ -881,6 +881,19 @@ def test_fsdp_copy_kernels_by_hand(toy):
     assert fsdp_copy_time(load_profile("cpu-gloo-local"), "adam-mixed", 8, 3e9, 1e9) == 0  # in fsdp_overhead
 
 
+def _llama3_8b_parameters() -> tuple[int, int, int]:
+    """Parameters of one Llama 3 8B layer, of its embeddings (as many in the untied head),
+    and of its final norm, by hand."""
+    from planner.presets import load_config
+
+    config = load_config("llama3-8b")
+    h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    kv = config.num_key_value_heads * h // config.num_attention_heads
+    layer = h * (2 * h + 2 * kv) + 3 * h * f + 2 * h  # q, o, k, v, gate, up, down, two norms
+    assert ModelSpec.from_hf_config(config).num_params == 32 * layer + 2 * v * h + h
+    return layer, v * h, h
+
+
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_fsdp_copies_are_in_a_gpu_plans_compute(microbatches):
     """The only compute a fully sharded data-parallel layout adds over a replicated one of
@@ -888,19 +901,14 @@ def test_fsdp_copies_are_in_a_gpu_plans_compute(microbatches):
     per micro-batch, every layer's unit gathers twice and reduces once, the last layer's
     and the root's (embeddings, head, final norm) gather once."""
     import planner
-    from planner.presets import load_config
 
     kw = dict(batch_size=8 * microbatches, seq_len=4096, microbatches=microbatches,
               require_fit=False)  # replicated, the states need 128 GB
     shard = planner.estimate("llama3-8b", 8, "h100-sxm-80g", dp=8, fsdp=True, **kw).time
     whole = planner.estimate("llama3-8b", 8, "h100-sxm-80g", dp=8, **kw).time
-    config = load_config("llama3-8b")
-    h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    kv = config.num_key_value_heads * h // config.num_attention_heads
-    layer = h * (2 * h + 2 * kv) + 3 * h * f + 2 * h  # q, o, k, v, gate, up, down, two norms
-    params = ModelSpec.from_hf_config(config).num_params
-    assert params - 32 * layer == 2 * v * h + h  # the root's: embeddings, head, final norm
-    root = params - 32 * layer
+    layer, embeddings, norm = _llama3_8b_parameters()
+    root = 2 * embeddings + norm  # the root's unit: embeddings, head, final norm
+    params = 32 * layer + root
     gathered = microbatches * (31 * 2 * layer + layer + root)  # the last layer and the root gather once
 
     def copies(n: int) -> float:
@@ -915,16 +923,12 @@ def test_fsdp_copies_of_a_pipeline_stage():
     root (the embeddings on the first stage, the head and norm on the last) once, and every
     gradient is reduced once (torch's schedules; cost_model.step.fsdp_gathers)."""
     import planner
-    from planner.presets import load_config
 
     m, kw = 4, dict(batch_size=16, seq_len=4096, microbatches=4, require_fit=False)
     shard = planner.hand_plan("llama3-8b", 8, "h100-sxm-80g", dp=4, pp=2, fsdp=True, **kw)
     whole = planner.hand_plan("llama3-8b", 8, "h100-sxm-80g", dp=4, pp=2, **kw)
-    config = load_config("llama3-8b")
-    h, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    kv = config.num_key_value_heads * h // config.num_attention_heads
-    layer = h * (2 * h + 2 * kv) + 3 * h * f + 2 * h
-    roots = (v * h, v * h + h)  # embeddings; head and final norm
+    layer, embeddings, norm = _llama3_8b_parameters()
+    roots = (embeddings, embeddings + norm)  # the first stage's embeddings; the last's head and norm
     profile = load_profile("h100-sxm-80g")
 
     def difference(stage) -> float:  # its copies replicated less fully sharded, per step

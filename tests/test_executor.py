@@ -8,13 +8,13 @@ with the same training loop run here with a 1-device plan and no process group.
 from __future__ import annotations
 
 import math
-import os
 import re
 import warnings
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -1011,8 +1011,7 @@ def threads_per_apply() -> list[int]:
     """gloo's threads in this rank (by name, from Linux's /proc/self/task) after each of
     three applies of one 2-D plan to new models."""
     def gloo_threads() -> int:
-        names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
-        return sum("gloo" in n for n in names)
+        return sum("gloo" in task.joinpath("comm").read_text() for task in Path("/proc/self/task").iterdir())
 
     counts = []
     for _ in range(3):
@@ -1023,7 +1022,7 @@ def threads_per_apply() -> list[int]:
     return counts
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in Linux's /proc")
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in Linux's /proc")
 def test_applies_share_their_mesh_and_its_process_groups() -> None:
     """init_device_mesh made new process groups at every apply, each with gloo's threads
     and sockets for good: ranks that applied plans again and again (the architecture
