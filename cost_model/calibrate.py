@@ -29,6 +29,7 @@ import faulthandler
 import functools
 import itertools
 import math
+import mmap
 import os
 import platform
 import signal
@@ -452,11 +453,22 @@ def measure_fresh_pages(nbytes: int = FRESH_BYTES) -> float:
     """s per byte that filling a new ``nbytes`` tensor costs over filling a reused one:
     the page faults, zeroing and unmapping of an allocation from ``FRESH_ALLOC_BYTES`` up
     (4 ranks at once here: ~1 ns/B, 0.8-1.4 measured, ~7x the fill itself).  gloo's all-gather and
-    reduce-scatter allocate such a buffer per call (cost_model.comm.staging_time)."""
+    reduce-scatter allocate such a buffer per call (cost_model.comm.staging_time).
+
+    The new block is mapped here as glibc maps one (private anonymous memory, unmapped
+    after the fill), not taken from ``torch.empty``: in a process whose heap has grown
+    and fragmented, malloc serves even 64 MB from a free heap chunk whose pages are
+    already there.  ``bench.costmodel_fidelity``'s ranks, after their training steps,
+    read 0.01 ms/MB that way where a new process read 0.85 (and their 64 MB all-gather
+    took ~40 ms more than the fitted line: gloo's buffer did get fresh pages)."""
     reused = torch.empty(nbytes // 4)
     fill = _median_time(lambda: reused.fill_(1.0))
-    fresh = _median_time(lambda: torch.empty(nbytes // 4).fill_(1.0))
-    return max(0.0, fresh - fill) / nbytes
+
+    def fresh_fill() -> None:
+        with mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as block:
+            torch.frombuffer(block, dtype=torch.float32).fill_(1.0)
+
+    return max(0.0, _median_time(fresh_fill) - fill) / nbytes
 
 
 def measure_transcendental_rate(nbytes: int = COPY_BYTES) -> float:

@@ -10,6 +10,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from cost_model.calibrate import (
     COLD_BYTES,
@@ -21,6 +22,7 @@ from cost_model.calibrate import (
     fit_collectives,
     fit_group,
     last_level_cache_bytes,
+    measure_fresh_pages,
     profile_from_job,
 )
 from cost_model.comm import bus_factor, collective_time
@@ -139,6 +141,23 @@ def test_operands_overflow_the_last_level_cache_twice_over_all_ranks(monkeypatch
     monkeypatch.setattr("cost_model.calibrate.last_level_cache_bytes", lambda: 64 * 300 * 2**20)
     monkeypatch.setattr("psutil.virtual_memory", lambda: type("Memory", (), {"available": 16 * 2**30})())
     assert OperandSizes.for_job(4).gemm_pool == 16 * 2**30 // 8 // 4
+
+
+def test_fresh_pages_are_measured_in_a_process_whose_heap_has_room():
+    # A long-running rank's heap grows and fragments; glibc then serves a 64 MB block
+    # from a free heap chunk whose pages exist, and a fresh-vs-reused fill measured
+    # through torch.empty read 0 there (the fidelity bench's ranks after training).
+    # Here: the mmap threshold raised to 30 MB by freeing such a block, 320 MB taken
+    # from the heap below a live block and freed.
+    del_me = torch.empty(30 * 2**20 // 4)
+    del del_me
+    blocks = [torch.empty(8 * 2**20 // 4) for _ in range(40)]
+    above = torch.empty(2**20 // 4)
+    del blocks
+    try:
+        assert measure_fresh_pages() > 1e-11  # 0.3-0.5 ms/MB here, one rank alone
+    finally:
+        del above
 
 
 def test_calibrate_argument_errors(tmp_path):
