@@ -86,8 +86,22 @@ _TINY_TOKENS = 8  # host-time models train on so few tokens that no kernel does 
 
 
 def _repeats(nbytes: int) -> int:
-    """Timed repeats of one collective: fewer for the largest messages, whose repeats
-    vary less and take up to a second each on a busy machine (keeps calibrate short)."""
+    """Timed repeats of one collective (``timed_between_compute``): 21 below 4 MB, 7 to
+    32 MB, 3 from 32 MB.
+
+    A repeat's time is the difference of two ~50 ms compute loops, whose scheduling
+    noise on a shared core is a few ms whatever the message: as large as a 64 KB-1 MB
+    collective's own 4-11 ms, small beside an 8 MB one's 10-30 ms, and a 64 MB one takes
+    0.1-0.3 s (up to a second each on a busy machine).  Measured here (4 ranks, 60
+    repeats of each kind at 64 KB and 1 MB, 24 at 8 MB; chance that the medians of two
+    disjoint sets of k repeats differ by more than 25%, resampled): at 64 KB-1 MB 13-50%
+    per kind with k = 7, 2-41% with 14 and 1-38% with 21 (the fastest kinds, all-to-all
+    and send/recv, the most: the 64 KB all-to-all's median moved 22% between the run's
+    halves, drift that resampling counts as noise and the bench's alternating check
+    does not); at 8 MB 0-6% with k = 7.  A repeat below 4 MB costs ~0.12 s, so the 14
+    extra ones add ~17 s per group size."""
+    if nbytes < 4 * 2**20:
+        return 3 * _REPEATS
     return _REPEATS if nbytes < 32 * 2**20 else 3
 
 
@@ -460,7 +474,7 @@ def measure_fresh_pages(nbytes: int = FRESH_BYTES) -> float:
     and fragmented, malloc serves even 64 MB from a free heap chunk whose pages are
     already there.  ``bench.costmodel_fidelity``'s ranks, after their training steps,
     read 0.01 ms/MB that way where a new process read 0.85 (and their 64 MB all-gather
-    took ~40 ms more than the fitted line: gloo's buffer did get fresh pages)."""
+    still took ~50 ms more than the fitted line: gloo's buffer did get fresh pages)."""
     reused = torch.empty(nbytes // 4)
     fill = _median_time(lambda: reused.fill_(1.0))
 
@@ -709,10 +723,11 @@ def collective_samples(
     rank is in, made once, where a call without makes new ones).
 
     Two compute loops per repeat make this slower than timing each collective alone:
-    with 4 ranks on this 2-core machine, groups of 2 and 4 at the default sizes take
-    ~35 s (~11 s alone).  4 iterations below 32 MB, and 2 iterations and 3 repeats
-    from 32 MB (where one collective takes ~0.1-0.3 s, so its noise is relatively small)
-    keep ``meshplan calibrate`` under ~90 s."""
+    with 4 ranks on this 2-core machine, groups of 2 and 4 at the default sizes took
+    ~35 s with 7 repeats below 32 MB (~11 s alone); 2 iterations and 3 repeats from 32 MB
+    (where one collective takes ~0.1-0.3 s, so its noise is relatively small) keep it
+    there, and 21 repeats below 4 MB (``_repeats``: why) add ~20-35 s: ``meshplan
+    calibrate`` took 134 s against 115 s with 7 (one run each, back to back)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if group is None and size != world:
         group = dist.new_subgroups(size)[0]
@@ -1019,7 +1034,8 @@ def profile_from_job(
         f"{sizes} ranks of that job, all groups at once, each issued between ~{CHUNK_S * 1e3:.0f} ms matmul chunks "
         f"as training issues them: per repeat (loop of {_iterations(0)} x [chunk, collective] - loop of "
         f"{_iterations(0)} x [chunk]) / {_iterations(0)} ({_iterations(2**30)} from 32 MB), each loop the slowest "
-        f"rank's, median of {_REPEATS} interleaved repeats (3 from 32 MB), "
+        f"rank's, median of {_repeats(0)} interleaved repeats ({_repeats(4 * 2**20)} from 4 MB, "
+        f"{_repeats(32 * 2**20)} from 32 MB), "
         f"latency and busbw fitted per group size (groups) and over all sizes (level default) "
         f"to the times less the fresh pages of gloo's staging buffer; "
         f"median relative error of the collective model {error:.0%}"
