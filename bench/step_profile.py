@@ -26,7 +26,7 @@ on the rank's main thread goes to one column:
 
 ``--no-comm`` runs the ranks over torch's fake process group, whose collectives are
 no-ops.  It reproduces the diagnostic session 27 ran on a lent 16-core machine
-(docs/cost_model.md): there the main thread of a DP rank waited ~32 ms per step in
+(docs/fidelity_log.md, Session 27): there the main thread of a DP rank waited ~32 ms per step in
 FSDP2's gradient reductions that the model had hidden behind compute.  Seconds per step.
 """
 
