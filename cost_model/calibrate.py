@@ -464,7 +464,7 @@ def measure_memory_bandwidth(nbytes: int = COPY_BYTES) -> float:
 
 
 def measure_fresh_pages(nbytes: int = FRESH_BYTES) -> float:
-    """s per byte that filling a new ``nbytes`` tensor costs over filling a reused one:
+    """s per byte that filling a newly mapped ``nbytes`` block costs over filling a reused one:
     the page faults, zeroing and unmapping of an allocation from ``FRESH_ALLOC_BYTES`` up
     (4 ranks at once here: ~1 ns/B, 0.8-1.4 measured, ~7x the fill itself).  gloo's all-gather and
     reduce-scatter allocate such a buffer per call (cost_model.comm.staging_time).
@@ -474,7 +474,7 @@ def measure_fresh_pages(nbytes: int = FRESH_BYTES) -> float:
     and fragmented, malloc serves even 64 MB from a free heap chunk whose pages are
     already there.  ``bench.costmodel_fidelity``'s ranks, after their training steps,
     read 0.01 ms/MB that way where a new process read 0.85 (and their 64 MB all-gather
-    still took ~50 ms more than the fitted line: gloo's buffer did get fresh pages)."""
+    took ~40 ms more than the fitted line: gloo's buffer did get fresh pages)."""
     reused = torch.empty(nbytes // 4)
     fill = _median_time(lambda: reused.fill_(1.0))
 
