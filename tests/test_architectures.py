@@ -149,7 +149,12 @@ def test_four_ranks_train_as_one_device(runs: tuple[dict[str, Any], list[dict[st
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0,
                                    msg=lambda m, rank=rank: f"rank {rank} losses: {m}")
         for n, value in got["params"].items():
-            torch.testing.assert_close(value, ref["params"][n], rtol=1e-5, atol=1e-5,
+            # AdamW (lr 1e-3, eps 1e-6) turns a near-zero gradient element's rounding
+            # difference d (the shards sum in another order) into up to lr / eps * d = 1000 d
+            # of parameter: on a 300 MiB-L3 Xeon one gemma3 element ends 1.07e-5 apart, the
+            # other cases at most 4.9e-6.  A wrong gradient, mask or reduction moves many
+            # elements by ~lr, and the losses above agree to 1e-5 relative.
+            torch.testing.assert_close(value, ref["params"][n], rtol=1e-5, atol=5e-5,
                                        msg=lambda m, n=n, rank=rank: f"rank {rank} {n}: {m}")
         held |= set(got["params"])
     assert held == set(ref["params"])  # a pipeline's stages hold every parameter between them
