@@ -224,8 +224,12 @@ def test_ctrl_c_stops_every_rank_at_once(tmp_path):
     the others waited in gloo and the interpreter's exit joined them for its 30-minute
     timeout, then left them running (review).  Now the ranks ignore it and the parent
     stops them: one line, status 130, no process left."""
+    # SIGINT at its default, as at a terminal: a shell's background job (`cmd &` without job
+    # control, as CI may be started) runs with SIGINT ignored, which a child inherits and
+    # keeps, so calibrate rightly ignores Ctrl-C there (this test timed out so twice)
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "calibrate", "-o", str(tmp_path / "p.json")],
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     parent = psutil.Process(proc.pid)
 
     def ranks() -> list[psutil.Process]:  # torch.multiprocessing's spawned ranks (not its resource tracker)
