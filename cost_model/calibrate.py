@@ -294,14 +294,18 @@ def measure_dtensor_node_host(world: int) -> float:
     host time is ``node_host_s``), and each redistribution the step issues at the time
     of one on that mesh (a ``from_local -> redistribute -> to_local`` round trip, mean of
     the three kinds: ``dtensor_redistribute_s`` prices those).  The rest, per traced
-    node.  Call on every rank (it creates process groups)."""
+    node that runs on DTensors: those downstream of the embedding, which the planner
+    charges it on (``planner.strategies.activation_nodes``); the model's own code on
+    positions and masks, a third of the tiny Llama's nodes, stays on plain tensors.
+    Call on every rank (it creates process groups)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     import executor
     from planner import hand_plan
     from planner.presets import build_model, load_config
     from planner.schema import Plan
-    from planner.tracer import totals, trace
+    from planner.strategies import activation_nodes
+    from planner.tracer import layer_weight, trace
 
     config = _tensor_parallel_tiny(world)
     plan = hand_plan(config, world, "cpu-gloo-local", tp=world, batch_size=1,
@@ -334,7 +338,8 @@ def measure_dtensor_node_host(world: int) -> float:
     redistribute = statistics.mean(_median_time(f) for f in _round_trips(mesh[plan.mesh.names[-1]],
                                                                           torch.ones(world * 64)))
     extra = t_sharded - plain - issued * redistribute
-    return max(0.0, extra / totals(trace(config, 1, _TINY_TOKENS))["nodes"])
+    graph = trace(config, 1, _TINY_TOKENS)
+    return max(0.0, extra / sum(layer_weight(graph, n) for n in activation_nodes(graph)))
 
 
 def last_level_cache_bytes(cpus: Path = Path("/sys/devices/system/cpu")) -> int:

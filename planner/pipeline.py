@@ -44,6 +44,7 @@ from planner.strategies import (
     fsdp_host_s,
     layer_index,
     loss_mean_s,
+    unplaced_compute_s,
 )
 
 
@@ -147,8 +148,11 @@ def stage_modules(graph: nx.DiGraph, stages: list[Stage], virtual: int = 1) -> l
     return out
 
 
-def split_parts(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution) -> tuple[Part, Part, Part]:
-    """(one layer, before the layers, after the layers) of a solved assignment."""
+def split_parts(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution
+                ) -> tuple[Part, Part, Part, Part]:
+    """(one layer, before the layers, after the layers, what every virtual stage runs
+    again: the model's code on positions and masks, ``unplaced_compute_s``) of a solved
+    assignment."""
     layers = graph.graph["layers"]
     first_nodes = _first_nodes(graph)
     m = ctx.microbatches
@@ -170,7 +174,9 @@ def split_parts(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: So
         per_layer = per_layer + part * (w["layer"] / total / layers)
         first = first + part * (w["first"] / total)
         last = last + part * (w["last"] / total)
-    return per_layer, first, last + Part(blocking_s=loss_mean_s(ctx))
+    preamble, in_layers = unplaced_compute_s(ctx, graph)
+    per_layer = per_layer + Part(compute_s=in_layers / m / layers)
+    return per_layer, first, last + Part(blocking_s=loss_mean_s(ctx)), Part(compute_s=preamble / m)
 
 
 Partials = tuple[list[tuple[str, float, int]], list[tuple[str, float, int]], list[tuple[str, float, int]]]
@@ -195,11 +201,12 @@ def split_partials(graph: nx.DiGraph, partial: Sequence[tuple[str, str, float, i
 
 
 def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, last: Part,
-           schedule: str, virtual: int, p2p_s: float, partials: Partials = ([], [], [])
-           ) -> tuple[StageCost, float, float, float]:
+           schedule: str, virtual: int, p2p_s: float, partials: Partials = ([], [], []),
+           preamble: Part = Part()) -> tuple[StageCost, float, float, float]:
     """(cost, memory, model-state bytes, FSDP2's gathered bytes) of stage ``index`` holding
-    ``n`` layers."""
-    part = layer * n + (first if index == 0 else Part()) + (last if index == pp - 1 else Part())
+    ``n`` layers; each of its ``virtual`` stages runs ``preamble``."""
+    part = (layer * n + (first if index == 0 else Part()) + (last if index == pp - 1 else Part())
+            + preamble * virtual)
     # the stage's gradients left Partial, reduced after each backward as without a pipeline
     pending = partials[0] * n + (partials[1] if index == 0 else []) + (partials[2] if index == pp - 1 else [])
     partial_s = partial_grad_time(ctx.profile, ctx.mesh_shape, pending, bucketed=ctx.data_ranks == 1)
@@ -241,7 +248,8 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
 
 def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last: Part,
               schedule: str, virtual: int, p2p_s: float, budget: float,
-              partials: Partials = ([], [], []), by_memory: bool = False) -> list[Stage] | None:
+              partials: Partials = ([], [], []), by_memory: bool = False,
+              preamble: Part = Part()) -> list[Stage] | None:
     """Contiguous layer counts per stage minimising the slowest stage within ``budget``
     bytes per device (DP); ``by_memory``: minimising the largest stage's memory instead."""
     inf = (math.inf, None)
@@ -249,7 +257,8 @@ def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last
 
     def stage(i: int, n: int) -> tuple[StageCost, float, float, float]:
         if (i, n) not in memo:  # layers are identical: a stage is its index and size
-            memo[i, n] = _stage(ctx, pp, i, n, layer, first, last, schedule, virtual, p2p_s, partials)
+            memo[i, n] = _stage(ctx, pp, i, n, layer, first, last, schedule, virtual, p2p_s, partials,
+                                preamble)
         return memo[i, n]
 
     # best[i][j]: (slowest stage time (or memory), counts) placing the first j layers on stages 0..i-1
@@ -318,7 +327,7 @@ def best_pipeline(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: 
     memory); ``partial``: the gradients left Partial (``planner.search._partial_grads``).
     ``by_memory``: the leanest instead, the split and schedule whose largest stage needs
     the least memory."""
-    layer, first, last = split_parts(ctx, graph, units, sol)
+    layer, first, last, preamble = split_parts(ctx, graph, units, sol)
     partials = split_partials(graph, partial)
     layers = graph.graph["layers"]
     p2p = p2p_time(ctx, graph, (pp, *ctx.mesh_shape))
@@ -327,7 +336,8 @@ def best_pipeline(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: 
     for schedule, virtual in schedules:
         if schedule_blocker(layers, pp, ctx.microbatches, schedule, virtual):
             continue
-        stages = partition(ctx, layers, pp, layer, first, last, schedule, virtual, p2p, budget, partials, by_memory)
+        stages = partition(ctx, layers, pp, layer, first, last, schedule, virtual, p2p, budget, partials,
+                           by_memory, preamble)
         if stages is None:
             continue
         b = compose_step([s.cost for s in stages], ctx.microbatches, schedule, virtual)

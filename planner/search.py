@@ -84,6 +84,7 @@ from planner.strategies import (
     loss_mean_s,
     norm_module_node,
     unit_params,
+    unplaced_compute_s,
 )
 from planner.tracer import totals, trace
 
@@ -222,7 +223,7 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     chosen = sol.choice.values()
     placed = _placed(chosen)
     m = ctx.microbatches
-    compute = sum(c.compute_s for c in chosen)
+    compute = sum(c.compute_s for c in chosen) + sum(unplaced_compute_s(ctx, graph))
     # executor.apply: one FSDP2 unit per layer plus the root, each moving its parameters in one collective
     layers = graph.graph["layers"]
     gather_lat, reduce_lat = bucket_latency(

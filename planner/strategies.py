@@ -215,13 +215,14 @@ def _scaled(ctx: Context, node: dict) -> tuple[float, ...]:
 
 def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int,
                out_shards: int | None = None, gemm: tuple[float, float] | None = None,
-               ) -> tuple[float, float]:
+               plain: bool = False) -> tuple[float, float]:
     """Per-device seconds per step for (node, multiplicity) split ``shards`` ways: forward
     + backward + recompute, and the recompute alone; the outputs are split ``out_shards``
     ways (default ``shards``; a row-parallel product's Partial output is whole on every
     rank).  ``gemm``: a product's (output, input) features on this rank, whose narrow
     outputs slow its GEMMs (forward: M x N; backward: dX M x K and dW N x K, equal FLOPs,
-    so their speeds combine harmonically)."""
+    so their speeds combine harmonically).  ``plain``: the nodes run on plain tensors
+    whatever the mesh (``unplaced_compute_s``)."""
     narrow_f = narrow_b = 1.0
     if gemm is not None:
         n, k = gemm
@@ -230,7 +231,7 @@ def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int,
     total = recomputed = 0.0
     scale = ctx.bytes_scale
     # the executor runs activations as DTensors on the model (non-dp) mesh dims
-    dtensor = any(ctx.mesh_shape[i] > 1 for i in ctx.free_dims)
+    dtensor = not plain and any(ctx.mesh_shape[i] > 1 for i in ctx.free_dims)
     # where the profile measured eager host time per graph node (CPU), every node,
     # views included, costs its half each way, and DTensor's share per node with it;
     # else each kernel costs kernel_floor_s, plus dtensor_op_overhead_s on DTensors
@@ -602,6 +603,27 @@ def activation_nodes(graph: nx.DiGraph) -> set[str]:
         seen |= nx.descendants(graph, r)
     return {n for n in seen if graph.nodes[n]["kind"] == "call_function"
             and graph.nodes[n]["out_numel"] > 0}
+
+
+def unplaced_compute_s(ctx: Context, graph: nx.DiGraph) -> tuple[float, float]:
+    """(before the layers, in all layers) per-device seconds per step of the traced ops no
+    unit holds: those not downstream of an embedding (``activation_nodes``), which the ILP
+    has nothing to place for.  They run all the same, whole and on plain tensors on every
+    rank: the model's own code on positions and masks (rotary tables, the causal mask;
+    ~60 nodes of a Hugging Face Llama) and the layers' dtype asserts.  On a CPU each costs
+    its ``node_host_s``, which calibrate measures per node of the whole trace
+    (``cost_model.calibrate.measure_node_host``); the units' nodes alone are ~2/3 of a
+    Llama's.  Their tensors follow the rank's share of the batch.  Under pipelining every
+    stage runs the code before the layers again (``executor.pipeline``): the first
+    figure is one run's, times the micro-batches."""
+    act = activation_nodes(graph)
+    before: list[tuple[dict, float]] = []
+    within: list[tuple[dict, float]] = []
+    for n, d in graph.nodes(data=True):
+        if d["kind"] == "call_function" and n not in act:
+            (before if d.get("layer") is None else within).append((d, layer_weight(graph, n)))
+    return (_compute_s(ctx, before, ctx.data_ranks, plain=True)[0],
+            _compute_s(ctx, within, ctx.data_ranks, plain=True)[0])
 
 
 def canonical_map(graph: nx.DiGraph) -> dict[str, str]:

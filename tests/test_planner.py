@@ -461,6 +461,43 @@ def test_cpu_tensors_from_the_mmap_threshold_pay_their_fresh_pages():
     assert compute_s(byte_s) - compute_s(0.0) == pytest.approx(4 * logits * byte_s)
 
 
+def test_cpu_host_time_is_charged_on_the_nodes_calibrate_divides_it_by():
+    """calibrate's node_host_s is a step's host time over every node of its trace
+    (cost_model.calibrate.measure_node_host), the model's code on positions and masks
+    included, which no unit holds (planner.strategies.unplaced_compute_s); so adding h to
+    it adds h per node to a step's compute.  Each pipeline stage runs that code again: on
+    2 stages (1 layer each, 2 micro-batches) the stages' per-micro-batch compute, which
+    compute_s / m + the bubble sums, grows by h x (nodes + that code's nodes).
+    dtensor_node_host_s is DTensor's extra per node on the nodes downstream of the
+    embedding, which it is divided by (measure_dtensor_node_host): the rest stay plain."""
+    from cost_model.profile import load_profile
+    from planner.strategies import activation_nodes
+    from planner.tracer import layer_weight, totals, trace
+
+    cpu = json.loads(load_profile("cpu-gloo-local").model_dump_json())
+    h = 1e-4
+
+    def extra(field: str, **layout: int) -> float:
+        """Seconds per micro-batch summed over stages that ``field`` + h adds, over h."""
+        def summed(profile: dict) -> float:
+            t = planner.estimate("llama-tiny", 2, profile, batch_size=2, seq_len=8, **layout).time
+            return t.compute_s / 2 + t.pipeline_bubble_s if "pp" in layout else t.compute_s
+        return (summed({**cpu, "name": "h", field: cpu[field] + h}) - summed(cpu)) / h
+
+    graph = trace("llama-tiny", 1, 8)
+    activations = activation_nodes(graph)
+    downstream = sum(layer_weight(graph, n) for n in activations)
+    before_layers = sum(layer_weight(graph, n) for n, d in graph.nodes(data=True)
+                        if d["kind"] == "call_function" and n not in activations and d["layer"] is None)
+    nodes = totals(graph)["nodes"]
+    assert 0 < before_layers < nodes - downstream  # the layers hold a few (dtype asserts)
+    for layout in ({"dp": 2}, {"tp": 2}):
+        assert extra("node_host_s", **layout) == pytest.approx(nodes)
+    assert extra("node_host_s", pp=2) == pytest.approx(nodes + before_layers)
+    assert extra("dtensor_node_host_s", tp=2) == pytest.approx(downstream)
+    assert extra("dtensor_node_host_s", dp=2) == 0
+
+
 def test_a_row_parallel_product_pays_the_fresh_pages_of_its_whole_partial_output():
     """Tensor parallel on 2 ranks, llama-tiny's down projection at 768 x 512 tokens: its
     output (hidden 32, fp32) is 48 MiB whole, 24 MiB per rank when sharded.  Row-parallel
@@ -905,11 +942,12 @@ def test_a_pipeline_stage_prices_its_optimizer_step_as_the_whole_model_does() ->
 
 
 def test_a_model_dim_that_splits_nothing_is_pointed_out() -> None:
-    """A tiny model on this CPU profile: no split pays for its gloo collectives, so the
-    planner keeps everything whole on tp and every tp rank repeats the same work; the
-    plan is right by its cost model, and the progress output says what it means."""
+    """A tiny model on this CPU profile, on a tp mesh: no split pays for its gloo
+    collectives, so the planner keeps everything whole on tp and every tp rank repeats
+    the same work; the plan is right by its cost model, and the progress output says
+    what it means.  (Left to choose, the planner takes dp=2 instead.)"""
     said: list[str] = []
-    planner.plan("gpt2-tiny", 2, "cpu-gloo-local", progress=said.append)
+    planner.plan("gpt2-tiny", 2, "cpu-gloo-local", mesh={"tp": 2}, progress=said.append)
     assert any(m.startswith("note: tp=2 splits nothing") for m in said), said
     said.clear()
     planner.plan("llama-tiny", 2, "h100-sxm-80g", batch_size=8, seq_len=64, mesh={"dp": 2}, progress=said.append)
