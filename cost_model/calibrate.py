@@ -946,15 +946,21 @@ def calibrate(
 def _note_other_load(progress: Callable[[str], None], when: str, own: int) -> None:
     """Say so when other work shares the cores: the ranks measure what they get of the
     machine, so a profile calibrated beside another job describes that share (seen here:
-    DTensor dispatch 10x the idle figure).  ``own``: the load this job's ranks add
-    themselves."""
+    DTensor dispatch 10x the idle figure).  Before the job (``own`` 0) the cores' use is
+    sampled for a second: the one-minute load average would still count a job that
+    ended a minute ago (it warned after every earlier calibrate).  At the end that
+    average is what covers the measurement, less ``own``, the load this job's ranks
+    added themselves."""
     cpus = os.cpu_count() or 1
-    load = os.getloadavg()[0]
-    if load > own + cpus / 2:
-        progress(f"note: load average {load:.1f} on {cpus} cores {when}"
-                 + (f" ({own} of it this job's ranks)" if own else "")
-                 + ": other work is running, and the profile measures the share of the machine it "
-                 "leaves; calibrate an otherwise idle machine to describe the machine itself")
+    if own:
+        other = os.getloadavg()[0] - own
+        seen = f"load average {other + own:.1f} on {cpus} cores {when} ({own} of it this job's ranks)"
+    else:
+        other = psutil.cpu_percent(interval=1.0) / 100 * cpus
+        seen = f"{other:.1f} of {cpus} cores busy {when}"
+    if other > cpus / 2:
+        progress(f"note: {seen}: other work is running, and the profile measures the share of the "
+                 "machine it leaves; calibrate an otherwise idle machine to describe the machine itself")
 
 
 def profile_from_job(

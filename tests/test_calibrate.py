@@ -18,6 +18,7 @@ from cost_model.calibrate import (
     COPY_BYTES,
     FRESH_ALLOC_BYTES,
     OperandSizes,
+    _note_other_load,
     calibrate,
     fit_collectives,
     fit_group,
@@ -158,6 +159,26 @@ def test_fresh_pages_are_measured_in_a_process_whose_heap_has_room():
         assert measure_fresh_pages() > 1e-11  # 0.3-0.5 ms/MB here, one rank alone
     finally:
         del above
+
+
+def test_other_work_is_noted_before_measuring_by_the_cores_busy_now(monkeypatch):
+    """Before the job the note reads the cores' use now, not the one-minute load average,
+    which still counts a job that ended a minute ago (it warned after every earlier
+    calibrate): with every core spinning it speaks, and of the cores, not of the (here
+    absurd) average.  That it keeps quiet on idle cores is not asserted: a shared test
+    machine's cores are not reliably idle."""
+    cpus = os.cpu_count() or 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.0 * cpus,) * 3)
+    notes: list[str] = []
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cpus)]
+    try:
+        time.sleep(0.5)  # the interpreters started
+        _note_other_load(notes.append, "before measuring", own=0)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert len(notes) == 1 and f"of {cpus} cores busy before measuring: other work is running" in notes[0]
 
 
 def test_calibrate_argument_errors(tmp_path):
