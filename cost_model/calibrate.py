@@ -501,23 +501,30 @@ def measure_transcendental_rate(nbytes: int = COPY_BYTES) -> float:
     return xs.shape[1] / _median_time(lambda: torch.exp(next(turn)))
 
 
-ATTENTION_SHAPE = (4, 8, 256, 64)  # batch, heads, sequence, head dim: a mid-size causal block
+# batch, heads, sequence, head dim of causal blocks from a small model's to a large one's:
+# the work per (sequence, head) pair grows 256-fold, the whole block's ~16-fold
+ATTENTION_SHAPES = ((4, 8, 128, 32), (4, 8, 256, 64), (2, 8, 512, 64), (1, 4, 1024, 128))
 
 
-def measure_attention_rate() -> float:
-    """FLOP/s of causal ``scaled_dot_product_attention`` forward + backward at
-    ``ATTENTION_SHAPE`` (FLOPs counted as the tracer counts them: 4bhs^2d forward, halved
-    for causal, twice that backward).  On a CPU the fused kernel works in small blocks
-    with an exp per score and runs at ~1/4 of the GEMM rate (9-14 GFLOP/s per rank here
-    for head dims 32-128 and sequences 128-512, GEMMs ~40), so it gets its own
-    efficiency rather than the GEMM curve's."""
-    b, h, s, d = ATTENTION_SHAPE
-    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+def measure_attention_rates() -> list[tuple[float, float]]:
+    """(forward FLOPs per (sequence, head) pair, FLOP/s) of causal
+    ``scaled_dot_product_attention`` forward + backward at each of ``ATTENTION_SHAPES``
+    (FLOPs counted as the tracer counts them: 4bhs^2d forward, halved for causal, twice
+    that backward).  On a CPU the fused kernel works in small blocks with an exp per
+    score and runs at a fraction of the GEMM rate, growing with the work per head: 4 ranks
+    at once here, 8-10 GFLOP/s at sequence 128 and head dim 32, 15 at 256 and 64, 16 at
+    512 and 64, 25 at 1024 and 128, against GEMMs at ~55-68; one shape's figure put the
+    fidelity bench's attention (128, 32) at 1.5x its speed."""
+    out = []
+    for b, h, s, d in ATTENTION_SHAPES:
+        q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
 
-    def step() -> None:
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        def step(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> None:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-    return 3 * 4.0 * b * h * s * s * d / 2 / _median_time(step)
+        forward = 4.0 * b * h * s * s * d / 2
+        out.append((forward / (b * h), 3 * forward / _median_time(step)))
+    return out
 
 
 def measure_node_host() -> float:
@@ -602,7 +609,7 @@ def measure_device(world: int) -> dict[str, Any]:
     out["update"] = together(lambda: measure_update_bandwidth(floor, sizes.update_tensors))
     out["fresh_pages"] = together(measure_fresh_pages)
     out["exp"] = together(lambda: measure_transcendental_rate(sizes.copy))
-    out["attention"] = together(measure_attention_rate)
+    out["attention"] = together(measure_attention_rates)
     out["node_host"] = together(measure_node_host)
     out["fsdp"] = together(measure_fsdp_overhead)
     out["redistribute"] = together(lambda: measure_redistribute_overhead(world))
@@ -830,7 +837,7 @@ def _device_constants(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     def med(values: Sequence[float]) -> float:
         return statistics.median(values)
 
-    scalars = ("floor", "dtensor", "redistribute", "bandwidth", "update", "fresh_pages", "exp", "attention",
+    scalars = ("floor", "dtensor", "redistribute", "bandwidth", "update", "fresh_pages", "exp",
                "node_host", "dtensor_node")
     out: dict[str, Any] = {k: med([r[k] for r in per_rank]) for k in scalars}
     out["fsdp"] = {mode: tuple(med([r["fsdp"][mode][i] for r in per_rank]) for i in range(2))
@@ -840,8 +847,8 @@ def _device_constants(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         sizes = [f for f, _ in per_rank[0][dtype]]
         out[dtype] = [(f, med([r[dtype][i][1] for r in per_rank])) for i, f in enumerate(sizes)]
-    out["columns"] = [(n, med([r["columns"][i][1] for r in per_rank]))
-                      for i, (n, _) in enumerate(per_rank[0]["columns"])]
+    for curve in ("columns", "attention"):
+        out[curve] = [(x, med([r[curve][i][1] for r in per_rank])) for i, (x, _) in enumerate(per_rank[0][curve])]
     return out
 
 
@@ -996,7 +1003,8 @@ def profile_from_job(
         + ", ".join(f"{d} {v / 1e9:.1f}" for d, v in peaks.items())
         + " GFLOP/s peak (narrow outputs: " + ", ".join(f"{n} cols x{f:.2f}" for n, f in device["columns"])
         + f"); copy {device['bandwidth'] / 1e9:.1f} GB/s, AdamW update {device['update'] / 1e9:.1f} GB/s, fresh pages "
-        f"{device['fresh_pages'] * 1e9:.2f} ms/MB; exp {device['exp'] / 1e9:.2f} G/s; attention {device['attention'] / 1e9:.1f} GFLOP/s; "
+        f"{device['fresh_pages'] * 1e9:.2f} ms/MB; exp {device['exp'] / 1e9:.2f} G/s; attention "
+        + ", ".join(f"{r / 1e9:.1f}" for _, r in device["attention"]) + " GFLOP/s by work per head; "
         f"host {device['node_host'] * 1e6:.0f} us per graph node, DTensor activations "
         f"+{device['dtensor_node'] * 1e6:.0f} us; FSDP2 " + ", ".join(
             f"{m} {u * 1e3:.1f} ms/unit + {b * 1e9:.2f} ms/MB" for m, (u, b) in device["fsdp"].items())
@@ -1019,7 +1027,7 @@ def profile_from_job(
         fresh_page_byte_s=device["fresh_pages"],
         fresh_alloc_bytes=FRESH_ALLOC_BYTES,
         transcendental_rate=device["exp"],
-        attention_efficiency=min(1.0, device["attention"] / peaks["fp32"]),
+        attention_curve=[{"head_flops": f, "efficiency": min(1.0, r / peaks["fp32"])} for f, r in device["attention"]],
         node_host_s=device["node_host"],
         dtensor_node_host_s=device["dtensor_node"],
         fsdp_overhead={mode: {"unit_s": u, "byte_s": b} for mode, (u, b) in device["fsdp"].items()},
@@ -1036,7 +1044,7 @@ def profile_from_job(
         f"measured by `meshplan calibrate` on {platform.node()} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
-        f"gloo job (operands sized so that the ranks together span at least twice the {operands.cache >> 20} MiB of last-level cache: GEMMs {list(GEMM_SIZES)} on a {operands.gemm_pool >> 20} MiB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {operands.copy >> 20} MiB copies, exps over as much in {COPY_BYTES >> 20} MiB pieces, AdamW steps over {operands.update_tensors} parameters of {_UPDATE_NUMEL} elements (update_bandwidth), {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {ATTENTION_SHAPE} forward + backward, llama-tiny training steps per traced node, plain and tensor-parallel on all ranks over a fake process group (less its redistributions), FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
+        f"gloo job (operands sized so that the ranks together span at least twice the {operands.cache >> 20} MiB of last-level cache: GEMMs {list(GEMM_SIZES)} on a {operands.gemm_pool >> 20} MiB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {operands.copy >> 20} MiB copies, exps over as much in {COPY_BYTES >> 20} MiB pieces, AdamW steps over {operands.update_tensors} parameters of {_UPDATE_NUMEL} elements (update_bandwidth), {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {list(ATTENTION_SHAPES)} forward + backward, llama-tiny training steps per traced node, plain and tensor-parallel on all ranks over a fake process group (less its redistributions), FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
         f"AdamW steps on {_OPTIMIZER_TENSORS} tiny DTensor vs plain parameters, "
         f"{256 * ranks} B DTensor redistributions vs raw collectives (thread CPU time x core share), timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
         f"overlap_exposure 1, not measured: on a CPU FSDP2 issues its all-gathers and gradient reductions "

@@ -30,6 +30,18 @@ def column_factor(profile: Profile, columns: float) -> float:
     return float(np.interp(math.log(max(columns, 1.0)), xs, [p.factor for p in points]))
 
 
+def attention_efficiency(profile: Profile, head_flops: float | None) -> float | None:
+    """Achievable fraction of peak for fused attention whose forward does ``head_flops``
+    per (sequence, head) pair: the profile's ``attention_curve`` there (interpolated in
+    log10(FLOPs) as the GEMM curve, clamped at its ends) where it has one and the op's
+    figure is known, else ``attention_efficiency`` (None: the GEMM curve prices it)."""
+    points = profile.attention_curve
+    if not points or head_flops is None:
+        return profile.attention_efficiency
+    xs = [math.log10(p.head_flops) for p in points]
+    return float(np.interp(math.log10(max(head_flops, 1.0)), xs, [p.efficiency for p in points]))
+
+
 def peak_flops(profile: Profile, dtype: str) -> float:
     """Dense peak FLOP/s for ``dtype``; a clear error when the profile lacks it."""
     try:
@@ -52,6 +64,7 @@ def op_time(
     host_s: float | None = None,
     narrow: float = 1.0,
     bandwidth: float | None = None,
+    head_flops: float | None = None,
 ) -> float:
     """Seconds for one eager op: the roofline of its kernel and the host time to issue it.
 
@@ -64,7 +77,8 @@ def op_time(
     ``transcendental_rate`` (a CPU evaluates exp as a polynomial of a dozen vector
     instructions: softmax runs 3x slower than a copy of the same bytes here).
     ``attention``: a fused attention kernel, at the profile's ``attention_efficiency``
-    where it has one.  ``narrow``: a GEMM kernel's speed against the curve, for outputs
+    where it has one, or at its ``attention_curve`` for ``head_flops``, the op's forward
+    FLOPs per (sequence, head) pair (``attention_efficiency()``).  ``narrow``: a GEMM kernel's speed against the curve, for outputs
     narrow enough to slow it (``column_factor`` of their column count).  ``host_s``: the
     host time of this op instead of ``kernel_floor_s`` (the planner passes
     ``node_host_s`` shares).  ``bandwidth``: the B/s this op's kernel moves its bytes at
@@ -79,8 +93,8 @@ def op_time(
         profile.dtensor_op_overhead_s if dtensor else 0.0)
     if flops == 0 and bytes_accessed == 0:
         return 0.0 if host_s is None else host
-    efficiency = (profile.attention_efficiency if attention and profile.attention_efficiency
-                  else gemm_efficiency(profile, flops) * narrow)
+    fused = attention_efficiency(profile, head_flops) if attention else None
+    efficiency = fused or gemm_efficiency(profile, flops) * narrow
     compute = flops / (efficiency * peak_flops(profile, dtype)) if flops else 0.0
     if transcendentals and profile.transcendental_rate:
         compute = max(compute, transcendentals / profile.transcendental_rate)

@@ -117,6 +117,11 @@ class GemmPoint(_Strict):
     efficiency: Fraction = Field(description="achievable fraction of peak at that size")
 
 
+class AttentionPoint(_Strict):
+    head_flops: float = Field(ge=1, description="forward FLOPs of fused attention per (sequence, head) pair")
+    efficiency: Fraction = Field(description="achievable fraction of peak there, forward and backward")
+
+
 class ColumnPoint(_Strict):
     columns: int = Field(gt=0, description="columns of a GEMM's output")
     factor: Fraction = Field(description="its speed against a GEMM of as many FLOPs with wide outputs")
@@ -206,6 +211,14 @@ class Profile(_Strict):
         "(scaled_dot_product_attention), forward and backward; None: the GEMM curve. "
         "CPU flash attention runs at ~1/4 of the GEMM rate (small blocks, exp per score)",
     )
+    attention_curve: list[AttentionPoint] | None = Field(
+        default=None,
+        description="achievable fraction of peak_flops for fused attention by its forward "
+        "FLOPs per (sequence, head) pair, forward and backward; interpolated in log(FLOPs), "
+        "clamped at both ends; used instead of attention_efficiency.  CPU flash attention's "
+        "rate grows with the work per head (4 ranks at once: 8-10 GFLOP/s at sequence 128 "
+        "and head dim 32, 15 at 256 and 64, 25 at 1024 and 128); None: unmeasured",
+    )
     node_host_s: float | None = Field(
         default=None,
         ge=0,
@@ -254,6 +267,15 @@ class Profile(_Strict):
         sizes = [p.flops for p in points]
         if sizes != sorted(set(sizes)):
             raise ValueError("points must have strictly increasing flops")
+        return points
+
+    @field_validator("attention_curve")
+    @classmethod
+    def _sorted_attention(cls, points: list[AttentionPoint] | None) -> list[AttentionPoint] | None:
+        if points is not None:
+            sizes = [p.head_flops for p in points]
+            if not sizes or sizes != sorted(set(sizes)):
+                raise ValueError("points must have strictly increasing head_flops")
         return points
 
     @field_validator("gemm_columns")

@@ -20,7 +20,7 @@ from cost_model.comm import (
     step_collective,
     transitions,
 )
-from cost_model.compute import gemm_efficiency, op_time
+from cost_model.compute import attention_efficiency, gemm_efficiency, op_time
 from cost_model.memory import (
     DEFAULT_HEADROOM,
     fits,
@@ -31,7 +31,13 @@ from cost_model.memory import (
     usable_bytes,
 )
 from cost_model.model_spec import ModelSpec, mfu, training_flops
-from cost_model.profile import Profile, load_profile, problem_lines, shipped_profiles
+from cost_model.profile import (
+    AttentionPoint,
+    Profile,
+    load_profile,
+    problem_lines,
+    shipped_profiles,
+)
 from cost_model.step import (
     StageCost,
     StepBreakdown,
@@ -161,6 +167,9 @@ def test_profile_structure_errors(tmp_path):
     unsorted["gemm_efficiency"].reverse()
     with pytest.raises(ValidationError, match="increasing flops"):
         load_profile(unsorted)
+    curve = [{"head_flops": 1e8, "efficiency": 0.4}, {"head_flops": 1e6, "efficiency": 0.1}]
+    with pytest.raises(ValidationError, match="attention_curve[\\s\\S]*increasing head_flops"):
+        load_profile({**copy.deepcopy(TOY), "attention_curve": curve})
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
     with pytest.raises(ValidationError):
@@ -210,6 +219,46 @@ def test_op_time_host_overlaps_a_gpu_and_adds_on_a_cpu(toy):
     assert op_time(cpu, 1e11, 0) == pytest.approx(5e-6 + 1e11 / 80e12)
     assert op_time(cpu, 0, 1e10, dtensor=True) == pytest.approx(25e-6 + 1e10 / 1e12)
     assert op_time(cpu, 0, 0, dtensor=True) == 0.0  # views still launch nothing
+
+
+def test_attention_curve_prices_fused_attention_by_its_work_per_head(toy):
+    """A profile's attention_curve (by forward FLOPs per (sequence, head) pair) is
+    interpolated in log and clamped like the GEMM curve, and prices a fused attention op
+    whose figure is given instead of attention_efficiency; without the figure, or without
+    a curve, attention_efficiency does (None: the GEMM curve)."""
+    curve = [AttentionPoint(head_flops=1e6, efficiency=0.1), AttentionPoint(head_flops=1e8, efficiency=0.4)]
+    cpu = toy.model_copy(update={"device_type": "cpu", "attention_efficiency": 0.5, "attention_curve": curve})
+    assert attention_efficiency(cpu, 1e7) == pytest.approx(0.25)
+    assert (attention_efficiency(cpu, 1e4), attention_efficiency(cpu, 1e10)) == (0.1, 0.4)
+    assert attention_efficiency(cpu, None) == 0.5 and attention_efficiency(toy, 1e7) is None
+    flops, host = 1e10, cpu.kernel_floor_s
+    assert op_time(cpu, flops, 0, "fp32", attention=True, head_flops=1e7) == pytest.approx(host + flops / 2.5e12)
+    assert op_time(cpu, flops, 0, "fp32", attention=True) == pytest.approx(host + flops / 5e12)
+    assert op_time(cpu, flops, 0, "fp32", head_flops=1e7) == op_time(cpu, flops, 0, "fp32")  # not attention
+
+
+def test_the_planner_prices_attention_at_its_work_per_head():
+    """The fidelity bench's Llama (heads 8, head dim 32, sequence 128): its attention does
+    2 x 128^2 x 32 forward FLOPs per (sequence, head) pair, whatever the batch or the
+    heads a rank holds, so the curve's point there alone decides its price."""
+    import json
+
+    import planner
+    from bench.costmodel_fidelity import MODEL
+
+    cpu = json.loads(load_profile("cpu-gloo-local").model_dump_json())
+    pair = 2.0 * 128**2 * 32
+
+    def compute_s(efficiency: float, **layout: int) -> float:
+        curve = [{"head_flops": h, "efficiency": e} for h, e in ((pair / 10, 0.9), (pair, efficiency), (pair * 10, 0.9))]
+        profile = {**cpu, "name": "attn", "attention_curve": curve}
+        return planner.estimate(MODEL, 4, profile, batch_size=8, seq_len=128, **layout).time.compute_s
+
+    layers, heads, peak = MODEL["num_hidden_layers"], MODEL["num_attention_heads"], cpu["peak_flops"]["fp32"]
+    for layout, rank_seqs, rank_heads in (({"dp": 4}, 2, heads), ({"tp": 4}, 8, heads // 4)):
+        flops = 3 * layers * rank_seqs * rank_heads * pair  # forward + backward, on one rank
+        assert compute_s(0.1, **layout) - compute_s(0.2, **layout) == pytest.approx(
+            flops / (0.1 * peak) - flops / (0.2 * peak))
 
 
 # -- collectives --------------------------------------------------------------------
