@@ -78,8 +78,9 @@ def op_time(
     instructions: softmax runs 3x slower than a copy of the same bytes here).
     ``attention``: a fused attention kernel, at the profile's ``attention_efficiency``
     where it has one, or at its ``attention_curve`` for ``head_flops``, the op's forward
-    FLOPs per (sequence, head) pair (``attention_efficiency()``).  ``narrow``: a GEMM kernel's speed against the curve, for outputs
-    narrow enough to slow it (``column_factor`` of their column count).  ``host_s``: the
+    FLOPs per (sequence, head) pair (``attention_efficiency()``).  ``narrow``: a GEMM
+    kernel's speed against the curve, for outputs narrow enough to slow it
+    (``column_factor`` of their column count).  ``host_s``: the
     host time of this op instead of ``kernel_floor_s`` (the planner passes
     ``node_host_s`` shares).  ``bandwidth``: the B/s this op's kernel moves its bytes at
     instead of ``memory_efficiency * memory_bandwidth`` (the optimizer's measured

@@ -12,7 +12,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 # A rate, FLOP/s or B/s: at least 1e6.  Any device or link of the last decades is faster;
 # one near the smallest float (1e-308) made a step's price overflow to inf, which the ILP
@@ -261,30 +269,15 @@ class Profile(_Strict):
     )
     levels: list[NetworkLevel] = Field(min_length=1, description="network levels, innermost first")
 
-    @field_validator("gemm_efficiency")
+    @field_validator("gemm_efficiency", "attention_curve", "gemm_columns")
     @classmethod
-    def _sorted_points(cls, points: list[GemmPoint]) -> list[GemmPoint]:
-        sizes = [p.flops for p in points]
-        if sizes != sorted(set(sizes)):
-            raise ValueError("points must have strictly increasing flops")
-        return points
-
-    @field_validator("attention_curve")
-    @classmethod
-    def _sorted_attention(cls, points: list[AttentionPoint] | None) -> list[AttentionPoint] | None:
+    def _sorted_points(cls, points: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        """A curve's points in strictly increasing order of what interpolation indexes."""
+        key = {"gemm_efficiency": "flops", "attention_curve": "head_flops", "gemm_columns": "columns"}[info.field_name]
         if points is not None:
-            sizes = [p.head_flops for p in points]
-            if not sizes or sizes != sorted(set(sizes)):
-                raise ValueError("points must have strictly increasing head_flops")
-        return points
-
-    @field_validator("gemm_columns")
-    @classmethod
-    def _sorted_columns(cls, points: list[ColumnPoint] | None) -> list[ColumnPoint] | None:
-        if points is not None:
-            columns = [p.columns for p in points]
-            if not columns or columns != sorted(set(columns)):
-                raise ValueError("points must have strictly increasing columns")
+            xs = [getattr(p, key) for p in points]
+            if not xs or xs != sorted(set(xs)):
+                raise ValueError(f"points must have strictly increasing {key}")
         return points
 
     @model_validator(mode="before")
