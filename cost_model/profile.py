@@ -238,7 +238,8 @@ class Profile(_Strict):
     dtensor_node_host_s: float | None = Field(
         default=None,
         ge=0,
-        description="extra eager host time per traced graph node, forward + backward, when "
+        description="extra eager host time per traced graph node downstream of the embedding "
+        "(the ones that run on DTensors), forward + backward, when "
         "the executor runs the activations as DTensors (a model-parallel mesh dim): "
         "DTensor's dispatch of the op and its backward, the executor's conversions at "
         "module boundaries; measured on a tiny tensor-parallel Llama whose collectives are "
