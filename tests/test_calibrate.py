@@ -171,9 +171,12 @@ def test_other_work_is_noted_before_measuring_by_the_cores_busy_now(monkeypatch)
     cpus = os.cpu_count() or 1
     monkeypatch.setattr(os, "getloadavg", lambda: (4.0 * cpus,) * 3)
     notes: list[str] = []
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cpus)]
+    spin = "print('spinning', flush=True)\nwhile True: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
+                for _ in range(cpus)]
     try:
-        time.sleep(0.5)  # the interpreters started
+        for p in spinners:  # each interpreter is up and spinning before the sample
+            assert p.stdout is not None and p.stdout.readline() == "spinning\n"
         _note_other_load(notes.append, "before measuring", own=0)
     finally:
         for p in spinners:
