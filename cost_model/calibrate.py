@@ -152,7 +152,8 @@ def together(measure: Callable[[], _T]) -> _T:
     return result
 
 
-_OPTIMIZER_TENSORS = 16  # tiny parameters: AdamW's step over them is all dispatch
+_OPTIMIZER_TENSORS = 4  # parameters of _UPDATE_NUMEL elements whose AdamW step prices DTensor's ops
+_OVERHEAD_PAIRS = 7  # alternating (plain, DTensor) windows of that step
 
 
 def measure_op_overhead(world: int) -> tuple[float, float]:
@@ -160,29 +161,40 @@ def measure_op_overhead(world: int) -> tuple[float, float]:
 
     A 1-element add runs a kernel that does no measurable work, so its time is the
     dispatch itself.  DTensor's extra (sharding propagation, unwrapping, rewrapping) is
-    measured on torch's AdamW step over ``_OPTIMIZER_TENSORS`` tiny sharded parameters
-    against the same step over plain ones, per op of the update (``update_ops`` of
-    ``adam-fp32``): a mix of in-place and out-of-place ops like the model's.  A DTensor
-    add alone is the cheapest case (4 ranks at once here: add +16 us, the AdamW mix +36
-    us per op); with the add's figure the fidelity bench's DP AdamW step (over FSDP2's
-    DTensor parameters) was predicted at 0.047 s and measured at 0.086 s.  Needs a
-    process group of ``world``.
+    the difference per op (``update_ops`` of ``adam-fp32``: a mix of in-place and
+    out-of-place ops like the model's) of torch's AdamW step over ``_OPTIMIZER_TENSORS``
+    sharded parameters against the same step over plain ones as large as their shards,
+    so the kernels cancel; the median of ``_OVERHEAD_PAIRS`` alternating pairs of
+    windows, as the shared machine drifts between them.
+
+    The shards are of ``_UPDATE_NUMEL`` elements, as a model's parameters are: each op
+    then streams more than a core's L2, and DTensor's Python code runs after it on cold
+    caches, as it does in a training step.  Over tiny parameters (what this measured
+    until session 32) the same code ran 2-3x faster: one process here, 21 us per op at 4
+    elements, 64 at 256 K, 106-141 at 1 M; 21-25 us for a 4-element op with nothing in
+    between, 48-82 after a 4-16 MB kernel.  On a lent 16-core machine the fidelity
+    bench's DP step (AdamW over FSDP2's replicated DTensors) took 103 us per op more
+    than its plain step, where the tiny parameters had read 33; on the 2-core one (run
+    85) this measured 180 where they had read 59, and the DP step took 162 more.  Needs
+    a process group of ``world``.
     """
     a, b = torch.ones(1), torch.ones(1)
     plain = _median_time(lambda: a + b)
     mesh = init_device_mesh("cpu", (world,))
-    sharded = _adamw_step_time(lambda: distribute_tensor(torch.ones(world * 4), mesh, [Shard(0)]),
-                               _OPTIMIZER_TENSORS)
-    local = _adamw_step_time(lambda: torch.ones(4), _OPTIMIZER_TENSORS)
-    return plain, max(0.0, (sharded - local) / _adamw_ops(_OPTIMIZER_TENSORS))
+    local = _adamw_step(lambda: torch.ones(_UPDATE_NUMEL), _OPTIMIZER_TENSORS)
+    sharded = _adamw_step(lambda: distribute_tensor(torch.ones(world * _UPDATE_NUMEL), mesh, [Shard(0)]),
+                          _OPTIMIZER_TENSORS)
+    extra = statistics.median(_median_time(sharded, windows=3) - _median_time(local, windows=3)
+                              for _ in range(_OVERHEAD_PAIRS))
+    return plain, max(0.0, extra / _adamw_ops(_OPTIMIZER_TENSORS))
 
 
-def _adamw_step_time(make: Callable[[], torch.Tensor], tensors: int) -> float:
-    """Seconds of torch's AdamW step over ``tensors`` parameters made by ``make``."""
+def _adamw_step(make: Callable[[], torch.Tensor], tensors: int) -> Callable[[], None]:
+    """torch's AdamW step over ``tensors`` parameters made by ``make``, with gradients."""
     params = [torch.nn.Parameter(make()) for _ in range(tensors)]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
-    return _median_time(torch.optim.AdamW(params, lr=1e-6).step)
+    return torch.optim.AdamW(params, lr=1e-6).step
 
 
 def _adamw_ops(tensors: int) -> int:
@@ -456,7 +468,7 @@ def measure_update_bandwidth(dispatch_s: float = 0.0, tensors: int = _UPDATE_TEN
     copy's bandwidth put the optimizer 30% low there; on the 2-core machine, 4 ranks at once,
     it runs 1.4-1.5x a copy's speed (its arithmetic leaves the shared memory bus less
     contended), and the copy's bandwidth put it too high."""
-    step = _adamw_step_time(lambda: torch.ones(_UPDATE_NUMEL), tensors)
+    step = _median_time(_adamw_step(lambda: torch.ones(_UPDATE_NUMEL), tensors))
     traffic = model_state_bytes(tensors * _UPDATE_NUMEL, "adam-fp32").update_traffic
     return traffic / max(step - _adamw_ops(tensors) * dispatch_s, step / 2)
 
@@ -1045,7 +1057,8 @@ def profile_from_job(
         f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
         f"gloo job (operands sized so that the ranks together span at least twice the {operands.cache >> 20} MiB of last-level cache: GEMMs {list(GEMM_SIZES)} on a {operands.gemm_pool >> 20} MiB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {operands.copy >> 20} MiB copies, exps over as much in {COPY_BYTES >> 20} MiB pieces, AdamW steps over {operands.update_tensors} parameters of {_UPDATE_NUMEL} elements (update_bandwidth), {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {list(ATTENTION_SHAPES)} forward + backward, llama-tiny training steps per traced node, plain and tensor-parallel on all ranks over a fake process group (less its redistributions), FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
-        f"AdamW steps on {_OPTIMIZER_TENSORS} tiny DTensor vs plain parameters, "
+        f"AdamW steps on {_OPTIMIZER_TENSORS} DTensor parameters of {_UPDATE_NUMEL}-element shards vs plain ones as large "
+        f"(DTensor's extra per op, {_OVERHEAD_PAIRS} alternating pairs), "
         f"{256 * ranks} B DTensor redistributions vs raw collectives (thread CPU time x core share), timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
         f"overlap_exposure 1, not measured: on a CPU FSDP2 issues its all-gathers and gradient reductions "
         f"synchronously (no streams), so none hides behind compute; "

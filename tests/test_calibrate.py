@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cost_model.calibrate import (
+    _UPDATE_NUMEL,
     ATTENTION_SHAPES,
     COLD_BYTES,
     COLUMN_SIZES,
@@ -25,6 +26,7 @@ from cost_model.calibrate import (
     fit_group,
     last_level_cache_bytes,
     measure_fresh_pages,
+    measure_op_overhead,
     profile_from_job,
 )
 from cost_model.comm import bus_factor, collective_time
@@ -160,6 +162,37 @@ def test_fresh_pages_are_measured_in_a_process_whose_heap_has_room():
         assert measure_fresh_pages() > 1e-11  # 0.3-0.5 ms/MB here, one rank alone
     finally:
         del above
+
+
+def test_dtensor_op_extra_is_priced_on_model_sized_shards_against_the_same_plain_kernels(monkeypatch):
+    # DTensor's Python code runs 2-3x slower after a kernel that streamed the core's L2
+    # (as in a step) than over tiny parameters, so the AdamW steps it is the difference of
+    # update shards of a model's size, the plain side as large so the kernels cancel.
+    # The timer is stubbed: each AdamW step reports the local sizes it updates and costs
+    # 1 ms plus 40 us per op on DTensors, the add 5 us.
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    seen: dict[bool, set[int]] = {True: set(), False: set()}
+
+    def timed(fn, window_s=0.04, windows=9):
+        opt = getattr(fn, "__self__", None)
+        if not isinstance(opt, torch.optim.Optimizer):
+            return 5e-6
+        params = opt.param_groups[0]["params"]
+        dtensor = isinstance(params[0], DTensor)
+        seen[dtensor].update((p.to_local() if dtensor else p).numel() for p in params)
+        return 1e-3 + (len(params) * 9 * 40e-6 if dtensor else 0.0)
+
+    monkeypatch.setattr("cost_model.calibrate._median_time", timed)
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        floor, extra = measure_op_overhead(2)
+    finally:
+        dist.destroy_process_group()
+    assert floor == 5e-6 and extra == pytest.approx(40e-6)
+    assert seen[True] == seen[False] == {_UPDATE_NUMEL}
 
 
 def test_other_work_is_noted_before_measuring_by_the_cores_busy_now(monkeypatch):
