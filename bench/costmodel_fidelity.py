@@ -14,7 +14,8 @@ the load changes within minutes; calibrating in the same job, spread over the mi
 the steps run, measures the primitives under the load the steps see.  The 4 ranks are
 spawned once; inside them every layout trains the same model on the same global batch
 (forward, backward, AdamW step; the layouts' steps interleaved, round-robin, so the
-shared machine's load drift hits them alike) through ``executor.apply`` with the plan
+shared machine's load drift hits them alike, each timed step after an untimed one of the
+same layout, as in a training loop) through ``executor.apply`` with the plan
 ``planner.hand_plan`` writes for the layout (TorchTitan's: vocabulary-parallel embedding
 and head, column- then row-parallel projections, SP where asked; the executor tests
 train two of them against one device).  Each layout is predicted as that plan's own
@@ -158,7 +159,12 @@ def _timed_round_robin(steps_of: dict[str, Callable[[], list[float]]], warmup: i
                        barrier: Callable[[], object] = dist.barrier) -> dict[str, list[list[float]]]:
     """Every case's step in turn, ``steps`` rounds: the load of the shared machine drifts
     over minutes, and interleaving spreads that drift over all cases alike instead of
-    charging it to whichever case ran while it peaked.
+    charging it to whichever case ran while it peaked.  Each timed step follows an untimed
+    one of the same case, as a training loop's step follows its own last step, which left
+    its parameters, optimizer states and allocator warm; right after the other cases'
+    steps they are cold (the plain step 266-289 ms back to back, 312 interleaved with 3
+    other models, session 31; its AdamW update 7.1-11 GB/s in its own loop, ~5.2 in the
+    round robin, session 32), a condition no training job has.
 
     ``barrier`` starts each step on every rank at once.  The fake process group's own
     barrier is a no-op, so its ranks pass a real one: without it they start seconds apart
@@ -172,6 +178,7 @@ def _timed_round_robin(steps_of: dict[str, Callable[[], list[float]]], warmup: i
     out: dict[str, list[list[float]]] = {name: [] for name in steps_of}
     for _ in range(steps):
         for name, step in steps_of.items():
+            step()  # untimed: the case's own step comes before the timed one
             barrier()  # every step starts together, so a straggler's wait is in the step
             out[name].append(step())
     return out

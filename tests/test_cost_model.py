@@ -237,6 +237,24 @@ def test_attention_curve_prices_fused_attention_by_its_work_per_head(toy):
     assert op_time(cpu, flops, 0, "fp32", head_flops=1e7) == op_time(cpu, flops, 0, "fp32")  # not attention
 
 
+def test_the_fidelity_bench_times_each_step_right_after_one_of_its_own():
+    """A training loop's step follows its own last step; the bench's round robin runs an
+    untimed step of the same layout before each timed one, not right after the others."""
+    from bench.costmodel_fidelity import _timed_round_robin
+
+    ran: list[str] = []
+
+    def case(name: str):
+        def step() -> list[float]:
+            ran.append(name)
+            return [float(len(ran))]
+        return step
+
+    out = _timed_round_robin({"a": case("a"), "b": case("b")}, warmup=1, steps=2, barrier=lambda: None)
+    assert ran == ["a", "b"] + ["a", "a", "b", "b"] * 2
+    assert out == {"a": [[4.0], [8.0]], "b": [[6.0], [10.0]]}
+
+
 def test_the_planner_prices_attention_at_its_work_per_head():
     """The fidelity bench's Llama (heads 8, head dim 32, sequence 128): its attention does
     2 x 128^2 x 32 forward FLOPs per (sequence, head) pair, whatever the batch or the
