@@ -161,10 +161,12 @@ def _timed_round_robin(steps_of: dict[str, Callable[[], list[float]]], warmup: i
     over minutes, and interleaving spreads that drift over all cases alike instead of
     charging it to whichever case ran while it peaked.  Each timed step follows an untimed
     one of the same case, as a training loop's step follows its own last step, which left
-    its parameters, optimizer states and allocator warm; right after the other cases'
-    steps they are cold (the plain step 266-289 ms back to back, 312 interleaved with 3
-    other models, session 31; its AdamW update 7.1-11 GB/s in its own loop, ~5.2 in the
-    round robin, session 32), a condition no training job has.
+    its parameters, optimizer states and allocator as that step needs them, not as the
+    other cases' steps left them: a condition no training job has.  (In separate runs the
+    plain step took 266-289 ms back to back, 312 interleaved with 3 other models, session
+    31; its AdamW update ran 7.1-11 GB/s in its own loop, ~5.2 in the round robin,
+    session 32.  The first run with this order, 86, showed no difference beyond the
+    run-to-run noise.)
 
     ``barrier`` starts each step on every rank at once.  The fake process group's own
     barrier is a no-op, so its ranks pass a real one: without it they start seconds apart

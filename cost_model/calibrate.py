@@ -72,7 +72,7 @@ COLUMN_SIZES = (16, 32, 64, 128, 256, 512)
 COPY_BYTES = 16 * 2**20  # a copy's source (and an exp's input piece, which stays this size)
 COLD_BYTES = 64 * 2**20  # GEMM operand pool
 _UPDATE_NUMEL = 2**20  # elements per parameter of the AdamW update: bytes, not dispatch
-_UPDATE_TENSORS = 4  # its parameters
+_UPDATE_TENSORS = 4  # its parameters (at least; and those of DTensor's extra per op)
 # glibc's malloc serves a block from its mmap threshold with fresh pages and unmaps it on
 # free; the threshold adapts upwards to freed blocks but stops at 32 MiB on 64-bit Linux
 # (DEFAULT_MMAP_THRESHOLD_MAX), so from there every allocation faults its pages in anew.
@@ -152,8 +152,7 @@ def together(measure: Callable[[], _T]) -> _T:
     return result
 
 
-_OPTIMIZER_TENSORS = 4  # parameters of _UPDATE_NUMEL elements whose AdamW step prices DTensor's ops
-_OVERHEAD_PAIRS = 7  # alternating (plain, DTensor) windows of that step
+_OVERHEAD_PAIRS = 7  # (DTensor, plain) pairs of 3-window medians of the AdamW step
 
 
 def measure_op_overhead(world: int) -> tuple[float, float]:
@@ -162,16 +161,18 @@ def measure_op_overhead(world: int) -> tuple[float, float]:
     A 1-element add runs a kernel that does no measurable work, so its time is the
     dispatch itself.  DTensor's extra (sharding propagation, unwrapping, rewrapping) is
     the difference per op (``update_ops`` of ``adam-fp32``: a mix of in-place and
-    out-of-place ops like the model's) of torch's AdamW step over ``_OPTIMIZER_TENSORS``
+    out-of-place ops like the model's) of torch's AdamW step over ``_UPDATE_TENSORS``
     sharded parameters against the same step over plain ones as large as their shards,
-    so the kernels cancel; the median of ``_OVERHEAD_PAIRS`` alternating pairs of
-    windows, as the shared machine drifts between them.
+    so the kernels cancel: the median over ``_OVERHEAD_PAIRS`` pairs, each the DTensor
+    step's median over 3 windows less the plain step's just after, so the shared
+    machine's drift falls on both sides of a pair alike.
 
     The shards are of ``_UPDATE_NUMEL`` elements, as a model's parameters are: each op
     then streams more than a core's L2, and DTensor's Python code runs after it on cold
     caches, as it does in a training step.  Over tiny parameters (what this measured
-    until session 32) the same code ran 2-3x faster: one process here, 21 us per op at 4
-    elements, 64 at 256 K, 106-141 at 1 M; 21-25 us for a 4-element op with nothing in
+    until session 32) the same code ran several times faster: one process here, 21 us
+    per op at 4 elements, 64 at 256 K, 106-141 at 1 M; 4 ranks at once, 42-87 at 4
+    elements against 122-188 at 1 M; and a 4-element op 21-25 us with nothing in
     between, 48-82 after a 4-16 MB kernel.  On a lent 16-core machine the fidelity
     bench's DP step (AdamW over FSDP2's replicated DTensors) took 103 us per op more
     than its plain step, where the tiny parameters had read 33; on the 2-core one (run
@@ -181,12 +182,12 @@ def measure_op_overhead(world: int) -> tuple[float, float]:
     a, b = torch.ones(1), torch.ones(1)
     plain = _median_time(lambda: a + b)
     mesh = init_device_mesh("cpu", (world,))
-    local = _adamw_step(lambda: torch.ones(_UPDATE_NUMEL), _OPTIMIZER_TENSORS)
+    local = _adamw_step(lambda: torch.ones(_UPDATE_NUMEL), _UPDATE_TENSORS)
     sharded = _adamw_step(lambda: distribute_tensor(torch.ones(world * _UPDATE_NUMEL), mesh, [Shard(0)]),
-                          _OPTIMIZER_TENSORS)
+                          _UPDATE_TENSORS)
     extra = statistics.median(_median_time(sharded, windows=3) - _median_time(local, windows=3)
                               for _ in range(_OVERHEAD_PAIRS))
-    return plain, max(0.0, extra / _adamw_ops(_OPTIMIZER_TENSORS))
+    return plain, max(0.0, extra / _adamw_ops(_UPDATE_TENSORS))
 
 
 def _adamw_step(make: Callable[[], torch.Tensor], tensors: int) -> Callable[[], None]:
@@ -294,9 +295,12 @@ def measure_dtensor_node_host(world: int) -> float:
     DTensor's dispatch of every op and of its backward, and the executor's conversions
     at module boundaries.  ``measure_op_overhead``'s AdamW mix prices an optimizer's
     elementwise ops; a model's (matmuls, views, rotary embedding, the loss) cost DTensor
-    about twice as much each way (132-290 us per node here, against 34-89 us per op):
-    priced with the AdamW figure, the fidelity bench's tensor-parallel layouts ran ~40%
-    above their predicted compute with collectives made no-ops.
+    about twice as much each way as that mix did over tiny parameters (132-290 us per
+    node here, against 34-89 us per op): priced with that figure, the fidelity bench's
+    tensor-parallel layouts ran ~40% above their predicted compute with collectives made
+    no-ops.  (Over model-sized parameters the mix now reads 151-180 us per op here, on
+    cold caches; this tiny Llama's kernels touch almost nothing, so whether a real
+    model's nodes pay a cold-cache extra beyond this figure is not measured.)
 
     A tiny Llama (``_tensor_parallel_tiny``) trains on ``_TINY_TOKENS`` tokens, where no
     kernel does measurable work, under ``planner.hand_plan``'s tensor-parallel layout (no
@@ -1057,7 +1061,7 @@ def profile_from_job(
         f"{os.cpu_count()} CPUs, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.1f}: a device is one single-thread rank of a {ranks}-process "
         f"gloo job (operands sized so that the ranks together span at least twice the {operands.cache >> 20} MiB of last-level cache: GEMMs {list(GEMM_SIZES)} on a {operands.gemm_pool >> 20} MiB pool of cold operands, and 1024 x 256 linears to {list(COLUMN_SIZES)} columns against that curve, {operands.copy >> 20} MiB copies, exps over as much in {COPY_BYTES >> 20} MiB pieces, AdamW steps over {operands.update_tensors} parameters of {_UPDATE_NUMEL} elements (update_bandwidth), {FRESH_BYTES >> 20} MB fills of fresh vs reused memory (fresh pages from {FRESH_ALLOC_BYTES >> 20} MiB, glibc's mmap threshold), causal attention {list(ATTENTION_SHAPES)} forward + backward, llama-tiny training steps per traced node, plain and tensor-parallel on all ranks over a fake process group (less its redistributions), FSDP2's extra on 2-layer Llamas of 0.1 and 26 MB on one-rank meshes, 1-element adds, "
-        f"AdamW steps on {_OPTIMIZER_TENSORS} DTensor parameters of {_UPDATE_NUMEL}-element shards vs plain ones as large "
+        f"AdamW steps on {_UPDATE_TENSORS} DTensor parameters of {_UPDATE_NUMEL}-element shards vs plain ones as large "
         f"(DTensor's extra per op, {_OVERHEAD_PAIRS} alternating pairs), "
         f"{256 * ranks} B DTensor redistributions vs raw collectives (thread CPU time x core share), timed in all {ranks} ranks at once, medians; memory_bytes = host RAM / {ranks}); "
         f"overlap_exposure 1, not measured: on a CPU FSDP2 issues its all-gathers and gradient reductions "
