@@ -173,7 +173,7 @@ def measure_op_overhead(world: int) -> tuple[float, float]:
     until session 32) the same code ran several times faster: one process here, 21 us
     per op at 4 elements, 64 at 256 K, 106-141 at 1 M; 4 ranks at once, 42-87 at 4
     elements against 122-188 at 1 M; and a 4-element op 21-25 us with nothing in
-    between, 48-82 after a 4-16 MB kernel.  On a lent 16-core machine the fidelity
+    between, 48-82 after a 1-16 MB kernel.  On a lent 16-core machine the fidelity
     bench's DP step (AdamW over FSDP2's replicated DTensors) took 103 us per op more
     than its plain step, where the tiny parameters had read 33; on the 2-core one (run
     85) this measured 180 where they had read 59, and the DP step took 162 more.  Needs
