@@ -610,22 +610,28 @@ def measure_fsdp_overhead() -> dict[str, tuple[float, float]]:
     return out
 
 
-def measure_device(world: int) -> dict[str, Any]:
-    """Every device constant, measured by this rank while the other ranks do the same."""
+def measure_device(world: int, say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Every device constant, measured by this rank while the other ranks do the same;
+    ``say`` names each phase as it starts."""
     sizes = OperandSizes.for_job(world)
+    say("op dispatch, plain and DTensor")
     floor, dtensor = together(lambda: measure_op_overhead(world))
     out: dict[str, Any] = {"floor": floor, "dtensor": dtensor, "operands": asdict(sizes)}
+    say("GEMMs: fp32 by size, narrow outputs, bf16")
     out["fp32"] = measure_gemm(torch.float32, floor, sizes.gemm_pool)
     out["columns"] = measure_gemm_columns(out["fp32"], floor, sizes.gemm_pool)
     try:
         out["bf16"] = measure_gemm(torch.bfloat16, floor, sizes.gemm_pool)
     except RuntimeError:  # a CPU build without bf16 matmul kernels (every rank alike)
         out["bf16"] = None
+    say("memory: copies, AdamW's update, fresh pages, exps")
     out["bandwidth"] = together(lambda: measure_memory_bandwidth(sizes.copy))
     out["update"] = together(lambda: measure_update_bandwidth(floor, sizes.update_tensors))
     out["fresh_pages"] = together(measure_fresh_pages)
     out["exp"] = together(lambda: measure_transcendental_rate(sizes.copy))
+    say("fused attention")
     out["attention"] = together(measure_attention_rates)
+    say("host time: training steps per graph node, FSDP2, DTensor redistributions and activations")
     out["node_host"] = together(measure_node_host)
     out["fsdp"] = together(measure_fsdp_overhead)
     out["redistribute"] = together(lambda: measure_redistribute_overhead(world))
@@ -770,29 +776,36 @@ def collective_medians(samples: dict[tuple[str, int], list[float]]) -> list[tupl
     return [(kind, nbytes, statistics.median(times)) for (kind, nbytes), times in samples.items()]
 
 
-def measure_job(groups: Sequence[int], sizes: Sequence[int]) -> dict[str, Any]:
+def measure_job(groups: Sequence[int], sizes: Sequence[int],
+                say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Everything ``profile_from_job`` needs, measured on every rank of the current gloo
     job (call it on all ranks): collectives in groups of each size, then every rank's
-    device constants.  A job that trains can call it between steps, under the same load."""
+    device constants; ``say`` names each phase as it starts.  A job that trains can call
+    it between steps, under the same load."""
     chunk = compute_chunk()  # sized once, the same compute between every collective
-    result: dict[str, Any] = {"collectives": {
-        g: collective_medians(collective_samples(g, sizes, chunk)) for g in groups}}
+    result: dict[str, Any] = {"collectives": {}}
+    for g in groups:
+        say(f"collectives in groups of {g}: {len(COLLECTIVE_KINDS)} kinds x {len(sizes)} sizes")
+        result["collectives"][g] = collective_medians(collective_samples(g, sizes, chunk))
     dist.barrier()
     per_rank: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, measure_device(dist.get_world_size()))
+    dist.all_gather_object(per_rank, measure_device(dist.get_world_size(), say))
     result["device"] = per_rank
     return result
 
 
 def _rank_worker(
-    rank: int, world: int, init_file: str, groups: Sequence[int], sizes: Sequence[int], out: str
+    rank: int, world: int, init_file: str, groups: Sequence[int], sizes: Sequence[int], out: str,
+    phases: Any,
 ) -> None:
+    """One rank of ``measure_ranks``' job; rank 0 puts each phase's name on ``phases`` (a
+    multiprocessing queue), all ranks being in the same phase."""
     faulthandler.enable()  # a rank killed by a signal prints where it was (stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's (measure_ranks), from any thread
     torch.set_num_threads(1)  # a rank is one thread, as executor-run training uses
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        result = measure_job(groups, sizes)
+        result = measure_job(groups, sizes, phases.put if rank == 0 else lambda _: None)
         if rank == 0:  # complete once rank 0 has it (the last step gathered every rank's)
             torch.save(result, out + ".part")
             os.replace(out + ".part", out)
@@ -812,7 +825,17 @@ def measure_ranks(
     from gloo's C++ side, SIGABRT, not reproduced in 31 runs here; its peers may then
     raise on the broken connection first) does not lose a finished measurement: if rank 0
     had already written the results they are used; otherwise the job runs once more
-    (``retry``) and a second failure is raised."""
+    (``retry``) and a second failure is raised.
+
+    Each phase's name reaches ``progress`` as the ranks start it, with the seconds since
+    the job started: the measurement takes minutes (~2 on 2 cores)."""
+    phases = mp.get_context("spawn").SimpleQueue()
+    start = time.monotonic()
+
+    def report_phases() -> None:
+        while not phases.empty():
+            progress(f"  [{time.monotonic() - start:4.0f} s] {phases.get()} ...")
+
     with tempfile.TemporaryDirectory() as tmp:
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out.pt")
         # the ranks inherit an ignored SIGINT from their first instruction (a spawned Python
@@ -820,14 +843,15 @@ def measure_ranks(
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
-            ranks = mp.spawn(_rank_worker, args=(world, init, tuple(groups), tuple(sizes), out),
+            ranks = mp.spawn(_rank_worker, args=(world, init, tuple(groups), tuple(sizes), out, phases),
                              nprocs=world, join=False)
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)
         try:
-            while not ranks.join():
-                pass
+            while not ranks.join(timeout=0.5):
+                report_phases()
+            report_phases()
         except KeyboardInterrupt:
             # the ranks ignore SIGINT: one that died of it mid-collective left its peers
             # blocked in gloo, and the interpreter's exit joined them for gloo's 30-minute

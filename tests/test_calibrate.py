@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -248,6 +249,12 @@ def test_calibrate_small_run_writes_a_loadable_profile(tmp_path):
     (level,) = profile.levels
     assert [g.size for g in level.groups] == [2]
     assert any("groups of [2]" in m for m in messages) and messages[-1].startswith("wrote")
+    # the ranks' phases reach the caller as they start, with the seconds since the job began
+    phases = [re.fullmatch(r"  \[ *\d+ s\] (.+) \.\.\.", m) for m in messages[1:-1]]
+    names = ["collectives in groups of 2", "op dispatch", "GEMMs", "memory", "fused attention", "host time"]
+    started = [m[1] for m in phases if m]
+    assert len(started) == len(names), started
+    assert all(s.startswith(n) for s, n in zip(started, names, strict=True)), started
     # FSDP2's collectives are synchronous on a CPU: nothing hides behind compute, and the
     # profile says why
     assert profile.overlap_exposure == 1.0 and "synchronously" in profile.source
