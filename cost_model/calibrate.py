@@ -40,6 +40,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from multiprocessing.queues import SimpleQueue
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -796,7 +797,7 @@ def measure_job(groups: Sequence[int], sizes: Sequence[int],
 
 def _rank_worker(
     rank: int, world: int, init_file: str, groups: Sequence[int], sizes: Sequence[int], out: str,
-    phases: Any,
+    phases: SimpleQueue,
 ) -> None:
     """One rank of ``measure_ranks``' job; rank 0 puts each phase's name on ``phases`` (a
     multiprocessing queue), all ranks being in the same phase."""
