@@ -167,9 +167,8 @@ def _check(data: dict[str, Any]) -> None:
             if missing:
                 hint += (f", adding {', '.join(missing)}, which it leaves to transformers' defaults "
                          f"({', '.join(f'{k}={v!r}' for k, v in missing.items())})")
-        raise ConfigError(
-            f"model_type: {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}"
-        )
+        what = "missing from the config" if model_type is None else f"{model_type!r} is not supported"
+        raise ConfigError(f"model_type: {what} (supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}")
     aliases = _GPT2_ALIASES if model_type == "gpt2" else {}
     written = {v: k for k, v in aliases.items()}  # canonical name -> the user's name
     data = {aliases.get(k, k): v for k, v in data.items()}

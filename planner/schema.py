@@ -253,6 +253,16 @@ class MeshRoles:
         return tuple(d for d in (self.replicate, self.shard) if d)
 
 
+def plan_data(data: object) -> object:
+    """The plan in parsed JSON that is a plan or a saved service response: POST and GET
+    ``/v1/plans`` answer ``{"id": ..., "plan": {...}}``, and a plan has a
+    ``schema_version`` (a user who saved the response and trained on it got 13
+    'Field required' errors; review)."""
+    if isinstance(data, dict) and "plan" in data and "schema_version" not in data:
+        return data["plan"]
+    return data
+
+
 class Plan(_Strict):
     schema_version: Literal["1.0"] = SCHEMA_VERSION
     model: str = Field(description="preset name, config path or model class")
@@ -299,7 +309,9 @@ class Plan(_Strict):
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Plan:
-        return cls.model_validate_json(text)
+        """The plan ``to_json`` wrote, or the one a saved service response holds
+        (``plan_data``), as ``meshplan show`` reads both."""
+        return cls.model_validate(plan_data(json.loads(text)))
 
     # -- lookups ------------------------------------------------------------------
     def placement_for(self, fqn: str) -> list[str] | None:

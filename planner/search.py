@@ -336,6 +336,9 @@ def mesh_candidates(devices: int, profile: Profile, divisor: int, layers: int,
         if not isinstance(mesh, Mapping):
             raise PlanningError(f"mesh: expected a mapping of dim name to size such as "
                                 f"{{'dp': 2, 'tp': 2}}, got {mesh!r}")
+        if not mesh:
+            raise PlanningError("mesh: empty; name at least one dim (pp, dp, tp), or leave mesh out "
+                                "to let the planner choose")
         unknown = [n for n in mesh if n not in order]
         if unknown:
             raise PlanningError(f"mesh: unknown dim {unknown[0]!r} (supported: pp, dp, tp)")

@@ -269,7 +269,7 @@ def estimate_json(pred: Any) -> dict[str, Any]:
 def cmd_show(args: argparse.Namespace) -> None:
     from pydantic import ValidationError
 
-    from planner.schema import Plan
+    from planner.schema import Plan, plan_data
     from service.terminal import render_plan
 
     try:
@@ -283,14 +283,13 @@ def cmd_show(args: argparse.Namespace) -> None:
         data = json.loads(text)
     except ValueError as e:  # not JSON, or a number past Python's int digits limit (its advice cut)
         raise UserError(f"plan: {args.plan} is not JSON: {str(e).split(';')[0]}") from None
-    if isinstance(data, dict) and "plan" in data and "schema_version" not in data:
-        data = data["plan"]  # a saved service response {"id": ..., "plan": {...}}
     try:
-        plan = Plan.model_validate(data)
+        plan = Plan.model_validate(plan_data(data))  # a plan, or a saved service response
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "plan"
-        raise UserError(f"{args.plan}: {where}: {first['msg']} ({e.error_count()} problem(s))") from None
+        from cost_model.profile import problem_lines
+
+        lines = problem_lines(e)  # a model validator's message names its field itself
+        raise UserError(f"{args.plan}: {lines[0]} ({len(lines)} problem(s))") from None
     # What the schema lets through and apply would refuse (S(9) of a matrix), which the
     # view would index out of range; the plan's fingerprint has the shapes.
     problems = plan.fingerprint_problems()

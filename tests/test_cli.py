@@ -311,6 +311,20 @@ def test_show_refuses_placements_the_shapes_cannot_take(plan_file: Path, tmp_pat
     assert not captured.out
 
 
+def test_show_names_the_field_a_plan_validator_refuses(plan_file: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A Partial parameter, refused by the plan's own validator: its field and problem, not
+    pydantic's 'plan: Value error, ' prefix (review)."""
+    data = json.loads(plan_file.read_text())
+    first = data["parameters"][0]
+    first["placements"] = ["P"] * len(first["placements"])
+    bad = tmp_path / "partial.json"
+    bad.write_text(json.dumps(data))
+    assert main(["show", str(bad)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"meshplan: error: {bad}: parameters: {first['fqn']} cannot be Partial (1 problem(s))")
+
+
 
 
 def test_show_does_not_import_torch(plan_file: Path, tmp_path: Path) -> None:

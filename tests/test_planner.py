@@ -50,6 +50,8 @@ def test_plan_json_round_trip_and_schema(tp8_plan):
     text = tp8_plan.to_json()
     again = Plan.from_json(text)
     assert again == tp8_plan and again.to_json() == text
+    # a saved service response (POST or GET /v1/plans) holds the plan under "plan"
+    assert Plan.from_json(json.dumps({"id": "0" * 16, "created": "now", "plan": json.loads(text)})) == tp8_plan
     assert json.loads(text)["schema_version"] == "1.0"
     schema = plan_json_schema()
     assert "parameters" in schema["properties"] and "fingerprint" in schema["required"]
@@ -318,6 +320,9 @@ def test_bad_requests():
         planner.plan("llama-tiny", 4, "h100-sxm-80g", mesh={"dp": 3})
     with pytest.raises(planner.PlanningError, match="^mesh: unknown dim"):
         planner.plan("llama-tiny", 4, "h100-sxm-80g", mesh={"ep": 4})
+    # an empty mesh read "mesh: {} has 1 devices, devices=2" (review)
+    with pytest.raises(planner.PlanningError, match="^mesh: empty; name at least one dim"):
+        planner.plan("llama-tiny", 2, "h100-sxm-80g", mesh={})
     with pytest.raises(planner.PlanningError, match="^devices:"):
         planner.plan("llama-tiny", 0, "h100-sxm-80g")
     with pytest.raises(ValueError, match="profile"):

@@ -121,6 +121,7 @@ LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
     "config, field, says",
     [
         ({"model_type": "bert", "hidden_size": 8}, "model_type", "'bert' is not supported"),
+        ({"hidden_size": 8}, "model_type", "missing from the config (supported: "),
         ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "hidden_size": 2560,
                                                    "num_hidden_layers": 34}}, "model_type",
          "its text_config is a gemma3_text config: give that object to plan the language model alone, adding "
