@@ -202,6 +202,11 @@ class SolverStats(_Strict):
                     "segment's layout (no resharding of their own); count"
     )
     alternatives: list[Alternative] = Field(default_factory=list)
+    notes: list[str] = Field(
+        default_factory=list,
+        description="what the search found worth saying beyond the numbers (the CLI prints them as "
+                    "'note:' lines): a forced tp the head counts do not divide, a mesh dim that splits nothing"
+    )
 
 
 class Fingerprint(_Strict):

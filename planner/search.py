@@ -738,17 +738,19 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
     if best is None or not best.prediction.memory.fits:
         raise PlanningError(_nothing_fits(model, devices, prof, len(meshes), found)
                             + (f"; note: {heads}" if heads else ""))
-    if heads:
-        say(f"note: {heads}")
     total = time.perf_counter() - t0
     say(f"best: {'x'.join(f'{n}={s}' for n, s in zip(best.ctx.mesh_names, best.ctx.mesh_shape))}"
         f"{(' fsdp' if best.ctx.fsdp else ' replicate') if best.ctx.data_ranks > 1 else ''}"
         f"{f' pp={best.pp} ' + best.schedule if best.pp > 1 else ''}, "
         f"{best.prediction.time.step_time_s * 1e3:.1f} ms/step ({total:.1f}s)")
-    for name in _idle_dims(best):
-        say(f"note: {name} splits nothing in this plan: every one of its ranks runs the same work (on "
-            f"{prof.name} no split of this model paid for its communication); fewer devices would do as well")
-    return _assemble(model, graph, prof, devices, best, found.alternatives, total)
+    # in the plan as well, where a service client (who sees no progress lines) reads them
+    notes = [heads] if heads else []
+    notes += [f"{name} splits nothing in this plan: every one of its ranks runs the same work (on "
+              f"{prof.name} no split of this model paid for its communication); fewer devices would do as well"
+              for name in _idle_dims(best)]
+    for note in notes:
+        say(f"note: {note}")
+    return _assemble(model, graph, prof, devices, best, found.alternatives, total, notes)
 
 
 def _idle_dims(cand: Candidate) -> list[str]:
@@ -796,7 +798,7 @@ def model_label(model: Any) -> str:
 
 
 def _assemble(model: Any, graph: nx.DiGraph, prof: Profile, devices: int, best: Candidate,
-              alts: list[Alternative], total_s: float) -> Plan:
+              alts: list[Alternative], total_s: float, notes: Sequence[str] = ()) -> Plan:
     ctx, sol = best.ctx, best.solution
     dims = [MeshDim(name=n, size=s) for n, s in zip(ctx.mesh_names, ctx.mesh_shape)]
     pipeline = None
@@ -821,7 +823,7 @@ def _assemble(model: Any, graph: nx.DiGraph, prof: Profile, devices: int, best: 
         solver=SolverStats(solver=sol.solver, status=sol.status, variables=sol.variables,
                            constraints=sol.constraints, solve_time_s=sol.solve_time_s,
                            total_time_s=total_s, objective=sol.objective, gap=sol.gap,
-                           unsupported_ops=_unsupported(graph), alternatives=alts),
+                           unsupported_ops=_unsupported(graph), alternatives=alts, notes=list(notes)),
     )
 
 

@@ -126,6 +126,7 @@ def render_plan(plan: Plan) -> str:
     out.append(f"solver: {s.solver} {s.status}, {s.variables} variables, {s.constraints} constraints, "
                f"solve {seconds(s.solve_time_s)}, total {seconds(s.total_time_s)}, objective {s.objective:.6g}"
                + (f", gap {s.gap:.3g}" if s.gap is not None else ""))
+    out.extend(f"note: {note}" for note in s.notes)
     if s.unsupported_ops:
         out.append("no sharding rule, priced as element-wise in their segment's layout: " + ", ".join(f"{k} x{v}" for k, v in s.unsupported_ops.items()))
     if s.alternatives:

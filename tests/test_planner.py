@@ -952,11 +952,14 @@ def test_a_model_dim_that_splits_nothing_is_pointed_out() -> None:
     the same work; the plan is right by its cost model, and the progress output says
     what it means.  (Left to choose, the planner takes dp=2 instead.)"""
     said: list[str] = []
-    planner.plan("gpt2-tiny", 2, "cpu-gloo-local", mesh={"tp": 2}, progress=said.append)
+    plan = planner.plan("gpt2-tiny", 2, "cpu-gloo-local", mesh={"tp": 2}, progress=said.append)
     assert any(m.startswith("note: tp=2 splits nothing") for m in said), said
+    # the plan carries it too, for a service client, who sees no progress lines
+    assert [f"note: {n}" for n in plan.solver.notes] == [m for m in said if m.startswith("note:")]
     said.clear()
-    planner.plan("llama-tiny", 2, "h100-sxm-80g", batch_size=8, seq_len=64, mesh={"dp": 2}, progress=said.append)
-    assert not any(m.startswith("note:") for m in said), said
+    plan = planner.plan("llama-tiny", 2, "h100-sxm-80g", batch_size=8, seq_len=64, mesh={"dp": 2},
+                        progress=said.append)
+    assert not any(m.startswith("note:") for m in said) and not plan.solver.notes, said
 
 
 def test_fsdp_pads_as_fsdp2_pads_and_cuts_fewer_rows_than_ranks_elsewhere() -> None:
@@ -1097,9 +1100,10 @@ def test_a_forced_tp_the_heads_do_not_divide_says_so() -> None:
     """Searched, as its ranks may split the MLPs or the batch, but estimate refuses that
     tp; plan said nothing of it, or only that no layout fits (black-box review)."""
     said: list[str] = []
-    planner.plan("llama-tiny", devices=4, profile="cpu-gloo-local", batch_size=8, seq_len=16,
-                 mesh={"dp": 1, "tp": 4}, progress=said.append)
-    assert "note: tp=4 does not divide the 2 key/value heads, so attention cannot split over it" in said
+    plan = planner.plan("llama-tiny", devices=4, profile="cpu-gloo-local", batch_size=8, seq_len=16,
+                        mesh={"dp": 1, "tp": 4}, progress=said.append)
+    note = "tp=4 does not divide the 2 key/value heads, so attention cannot split over it"
+    assert f"note: {note}" in said and note in plan.solver.notes
 
 
 _TIED = {**PRESETS["llama-tiny"], "tie_word_embeddings": True, "max_position_embeddings": 64}

@@ -362,3 +362,20 @@ def test_an_interleaved_pipeline_shows_each_stages_rank(tmp_path: Path) -> None:
     assert "each row gives a rank's layer count" in render_plan(per_rank)
     page = _open_file(tmp_path, "per-rank.json", per_rank.to_json())
     assert any(t.startswith("Each row gives one pp rank's layer count") for t in page.text), page.text
+
+
+def test_the_planners_notes_are_shown(tmp_path: Path) -> None:
+    """What the search said beyond the numbers (a forced tp the heads do not divide) went to
+    the CLI's progress lines only; a service client now reads it in the plan, the page
+    and ``meshplan show`` (review)."""
+    import planner
+    from service.terminal import render_plan
+
+    plan = planner.plan("llama-tiny", devices=4, profile="cpu-gloo-local", batch_size=8, seq_len=16,
+                        mesh={"dp": 1, "tp": 4})
+    note = "tp=4 does not divide the 2 key/value heads, so attention cannot split over it"
+    assert note in plan.solver.notes
+    assert f"note: {note}" in render_plan(plan).splitlines()
+    page = _open_file(tmp_path, "notes.json", plan.to_json())
+    assert len(page.within("notes", tag="li")) == len(plan.solver.notes)
+    assert f"Note: {note}" in page.text

@@ -277,6 +277,7 @@ function solverSection(plan) {
   const unsupported = Object.entries(s.unsupported_ops);
   const skipped = s.alternatives.filter((a) => a.note.startsWith("skipped")).length;
   return section("Solver", el("div", { class: "facts" }, facts.map(([k, v]) => el("span", {}, `${k} `, el("b", {}, v)))),
+    s.notes.length ? el("ul", { id: "notes" }, s.notes.map((n) => el("li", {}, `Note: ${n}`))) : null,
     skipped ? el("p", { id: "time-limited" }, `The time limit ended the search: ${skipped} of ` +
       `${s.alternatives.length} alternatives were not tried (marked "skipped" above).`) : null,
     unsupported.length ? el("p", {}, "Ops with no sharding rule of their own (priced as element-wise in their segment's layout): ",
@@ -384,7 +385,7 @@ function withDefaults(plan) {
   p.mesh = { device_type: "cuda", ...p.mesh };
   p.modules = p.modules.map((m) => ({ input: null, output: null, ...m }));
   if (p.pipeline) p.pipeline = { dim: "pp", virtual_stages: 1, ...p.pipeline };
-  p.solver = { gap: null, unsupported_ops: {}, alternatives: [], ...p.solver };
+  p.solver = { gap: null, unsupported_ops: {}, alternatives: [], notes: [], ...p.solver };
   p.solver.alternatives = p.solver.alternatives.map((a) => ({ peak_memory_bytes: null, note: "", ...a }));
   p.prediction = { ...p.prediction,
     time: { recompute_s: 0, resharding_s: 0, pipeline_bubble_s: 0, optimizer_s: 0, ...p.prediction.time },
