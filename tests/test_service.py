@@ -283,8 +283,8 @@ def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
     ({**TINY, "mesh": {"dp": True}}, 422, "mesh.dp: Input should be a valid integer"),
     ({**TINY, "time_limit_s": float("nan")}, 422, "time_limit_s: Input should be a finite number"),
     # A config error found while filling in the defaults, and one found by a worker.
-    ({"model": {"hf_config": {}}, "devices": 2, "profile": PROFILE}, 422, "model.hf_config.model_type: None"),
-    ({**TINY, "model": {"hf_config": {}}}, 422, "model.hf_config.model_type: None"),
+    ({"model": {"hf_config": {}}, "devices": 2, "profile": PROFILE}, 422, "model.hf_config.model_type: missing from the config"),
+    ({**TINY, "model": {"hf_config": {}}}, 422, "model.hf_config.model_type: missing from the config"),
     ({**TINY, "mesh": {"dp": 3}}, 422, "mesh"),
     ({**TINY, "mesh": {"DP": 2}}, 422, "mesh.DP"),
     ({**TINY, "time_limit_s": MAX_TIME_LIMIT_S + 1}, 422, "time_limit_s"),
