@@ -262,18 +262,19 @@ def test_the_planner_prices_attention_at_its_work_per_head():
     import json
 
     import planner
-    from bench.costmodel_fidelity import MODEL
+    from bench.costmodel_fidelity import BATCH, MODEL, SEQ
 
     cpu = json.loads(load_profile("cpu-gloo-local").model_dump_json())
-    pair = 2.0 * 128**2 * 32
+    heads = MODEL["num_attention_heads"]
+    pair = 2.0 * SEQ**2 * (MODEL["hidden_size"] // heads)
 
     def compute_s(efficiency: float, **layout: int) -> float:
         curve = [{"head_flops": h, "efficiency": e} for h, e in ((pair / 10, 0.9), (pair, efficiency), (pair * 10, 0.9))]
         profile = {**cpu, "name": "attn", "attention_curve": curve}
-        return planner.estimate(MODEL, 4, profile, batch_size=8, seq_len=128, **layout).time.compute_s
+        return planner.estimate(MODEL, 4, profile, batch_size=BATCH, seq_len=SEQ, **layout).time.compute_s
 
-    layers, heads, peak = MODEL["num_hidden_layers"], MODEL["num_attention_heads"], cpu["peak_flops"]["fp32"]
-    for layout, rank_seqs, rank_heads in (({"dp": 4}, 2, heads), ({"tp": 4}, 8, heads // 4)):
+    layers, peak = MODEL["num_hidden_layers"], cpu["peak_flops"]["fp32"]
+    for layout, rank_seqs, rank_heads in (({"dp": 4}, BATCH // 4, heads), ({"tp": 4}, BATCH, heads // 4)):
         flops = 3 * layers * rank_seqs * rank_heads * pair  # forward + backward, on one rank
         assert compute_s(0.1, **layout) - compute_s(0.2, **layout) == pytest.approx(
             flops / (0.1 * peak) - flops / (0.2 * peak))
