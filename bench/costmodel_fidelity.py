@@ -23,14 +23,13 @@ prediction under the calibrated profile (``planner.estimate``: the planner's cos
 function with the placements pinned; the table says whether the plan it prices is the
 one that ran).  Nothing here adjusts a constant.
 
-Then the same steps run once more on 4 processes over torch's fake process group, whose
-collectives are no-ops (``--no-comm-steps``): what a layout's step costs without
-communication, against the predicted compute + optimizer; the gloo step less this is
-the time communication added, against the predicted exposed communication.  The fake
-group still runs DTensor's host work around each redistribution, which the model
-prices as communication (``dtensor_redistribute_s``), so that column pair is not
-exact; and the two phases run minutes apart (the local reference, timed in both, shows
-the drift).
+Each layout's step is also timed with its collectives switched off (``CollectivesSwitch``:
+every collective returns at once, its output filled from the rank's own input), in the
+same rounds as the others: what a layout's step costs without communication, against the
+predicted compute + optimizer, and, paired round by round, what communication added to
+the step, against the predicted exposed communication.  DTensor's host work around each
+redistribution still runs, which the model prices as communication
+(``dtensor_redistribute_s``), so the table moves that share to the compute side.
 
 Besides the strict ranking, the table lists each pair the prediction orders against the
 measured medians, with the rounds in which the measured order held: the layouts' steps
@@ -80,6 +79,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._C._distributed_c10d import _create_work_from_future
 from torch.distributed.tensor.debug import CommDebugMode
 
 import executor
@@ -178,12 +178,10 @@ def _timed_round_robin(steps_of: dict[str, Callable[[], list[float]]], warmup: i
     session 32.  The first run with this order, 86, showed no difference beyond the
     run-to-run noise.)
 
-    ``barrier`` starts each step on every rank at once.  The fake process group's own
-    barrier is a no-op, so its ranks pass a real one: without it they start seconds apart
-    (each builds every layout's model first) and partly run alone.  (On a lent 16-core
-    machine the staggered fake job's plain step took 0.11 s, the gloo job's 0.14 s, with
-    pinning and barriers ruled out there; whether running alone is the difference was not
-    measured before the session's device time ran out.)"""
+    ``barrier`` starts each step on every rank at once, a step with its collectives
+    switched off too (nothing in it waits for the other ranks): ranks that start apart
+    partly run alone.  (On a lent 16-core machine a staggered fake-group job's plain step
+    took 0.11 s, the gloo job's 0.14 s, session 27.)"""
     for step in steps_of.values():
         for _ in range(warmup):
             step()
@@ -209,11 +207,22 @@ def _training_step(plan: str | None, ids: torch.Tensor) -> Callable[[], list[flo
     return lambda: _phases(model, opt, ids)
 
 
-def _steps(plans: dict[str, str]) -> dict[str, Callable[[], list[float]]]:
-    """Every layout's training step and the local reference's, on the same global batch."""
+def _no_comm(name: str) -> str:
+    return f"{name}, no comm"
+
+
+def _steps(plans: dict[str, str], switch: CollectivesSwitch | None = None) -> dict[str, Callable[[], list[float]]]:
+    """Every layout's training step, each followed by the same step with its collectives
+    switched off where ``switch`` is given (the same model and optimizer: the values
+    that step leaves differ per rank, which changes no step's work), and the local
+    reference's, on the same global batch."""
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=g)
-    steps_of = {name: _training_step(plan, ids) for name, plan in plans.items()}
+    steps_of = {}
+    for name, plan in plans.items():
+        steps_of[name] = _training_step(plan, ids)
+        if switch is not None:
+            steps_of[_no_comm(name)] = switch.without(steps_of[name])
     steps_of[LOCAL] = _training_step(None, ids)
     return steps_of
 
@@ -256,18 +265,83 @@ def _rank_setup() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
 
 
-def _fake_worker(rank: int, plans: dict[str, str], out: str, warmup: int, steps: int,
-                 barrier: Any) -> None:
-    """The same steps over torch's fake process group (collectives are no-ops), each
-    started on all ranks at once by ``barrier`` (a ``multiprocessing`` barrier)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+def _fill_gathered(out: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """``out`` filled with ``shard`` once per rank, as an all-gather of equal shards fills it."""
+    n = out.numel() // shard.numel()
+    out.view(n, -1).copy_(shard.reshape(1, -1).expand(n, -1))
+    return out
 
-    _rank_setup()
-    dist.init_process_group("fake", rank=rank, world_size=WORLD, store=FakeStore())
-    try:
-        torch.save(_timed_round_robin(_steps(plans), warmup, steps, barrier.wait), f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
+
+def _done(result: object) -> object:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut).boxed()
+
+
+# What each collective the steps issue leaves when switched off: the output the
+# collective's schema gives, filled from the rank's own input (c10d's in-place ops return
+# their output and a completed Work; the functional ones, DTensor's, a new tensor).
+_NO_OPS: dict[tuple[str, str], Callable[..., Any]] = {
+    ("c10d", "allreduce_"): lambda tensors, *_: (tensors, _done(tensors)),
+    ("c10d", "_allgather_base_"): lambda out, inp, *_: (_fill_gathered(out, inp), _done(out)),
+    ("c10d", "_reduce_scatter_base_"): lambda out, inp, *_: (
+        out.copy_(inp.reshape(-1)[: out.numel()].view_as(out)), _done(out)),
+    ("_c10d_functional", "all_reduce"): lambda x, *_: x.clone(),
+    ("_c10d_functional", "all_gather_into_tensor"): lambda x, n, *_: _fill_gathered(
+        x.new_empty((x.shape[0] * n, *x.shape[1:])), x),
+    ("_c10d_functional", "reduce_scatter_tensor"): lambda x, _op, n, *_: x[: x.shape[0] // n].clone(),
+}
+SWITCHABLE = {name for _, name in _NO_OPS}  # as CommDebugMode names them
+
+
+class CollectivesSwitch:
+    """Within its ``with`` block, ``off`` makes every collective of this process a no-op and
+    ``on`` restores it, so one gloo job times a layout's step with and without its
+    communication in the same round, as alike as the round robin makes all steps.
+
+    Until session 35 the no-communication steps ran in a second job over torch's fake
+    process group, minutes after the gloo job, and the machine's drift between the two
+    moved the split by tens of points from run to run (TP's compute error read -1% to
+    -35% in runs 90-94).  A process has one default group and torch has no switch for
+    it, so this registers a Python kernel at AutogradCPU, which the dispatcher reaches
+    before gloo's CPU kernel, for c10d's collective ops (``torch.distributed``'s API,
+    FSDP2) and the functional ones (DTensor): it either redispatches below autograd, to
+    gloo, or returns what ``_NO_OPS`` gives.  Leaving the block removes the kernels."""
+
+    def __init__(self) -> None:
+        self.skipping = False
+        self._libraries: list[torch.library.Library] = []
+
+    def __enter__(self) -> CollectivesSwitch:
+        after_autograd = torch._C._after_autograd_keyset
+        for namespace in sorted({ns for ns, _ in _NO_OPS}):
+            library = torch.library.Library(namespace, "IMPL")
+            self._libraries.append(library)
+            for (ns, name), no_op in _NO_OPS.items():
+                if ns != namespace:
+                    continue
+                op = getattr(getattr(torch.ops, ns), name).default
+
+                def kernel(keyset: Any, *args: Any, op: Any = op, no_op: Any = no_op) -> Any:
+                    return no_op(*args) if self.skipping else op.redispatch(keyset & after_autograd, *args)
+
+                library.impl(name, kernel, "AutogradCPU", with_keyset=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for library in self._libraries:
+            library._destroy()
+        self._libraries.clear()
+
+    def without(self, step: Callable[[], list[float]]) -> Callable[[], list[float]]:
+        """``step`` run with every collective switched off."""
+        def run() -> list[float]:
+            self.skipping = True
+            try:
+                return step()
+            finally:
+                self.skipping = False
+        return run
 
 
 def _worker(rank: int, plans: dict[str, str], init_file: str, out: str, warmup: int, steps: int,
@@ -275,58 +349,67 @@ def _worker(rank: int, plans: dict[str, str], init_file: str, out: str, warmup: 
     _rank_setup()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        steps_of = _steps(plans)
-        # calibration between the thirds of the steps, each part after one third: this
-        # VM's speed drifts by 20-30% within minutes (the bench's own GEMM check has read
-        # 20% below a calibration taken two minutes earlier) and the steps span all three.
-        # The device constants (GEMM rate, host time per op, ...) are measured in every
-        # part, the median of the three kept; the collectives' repeats are spread over the
-        # parts, the median of all kept.  The collective check's repeats alternate with
-        # the calibration's (below), so they are held out from the fit but see the same
-        # seconds.
-        chunk = compute_chunk()  # sized once, the same compute between every collective
-        groups = {g: dist.new_subgroups(g)[0] if g < WORLD else None for g in GROUPS}
-        parts = 3
+        with CollectivesSwitch() as switch:
+            steps_of = _steps(plans, switch)
+            # counted first (after a step of each: the first may set up more than a step
+            # does): a kind the switch does not know would run in the no-comm steps
+            for name in plans:
+                steps_of[name]()
+            counted = {name: _collectives_per_step(steps_of[name]) for name in plans}
+            unknown = {kind for kinds in counted.values() for kind in kinds} - SWITCHABLE
+            if unknown:
+                raise RuntimeError(f"CollectivesSwitch cannot switch off {sorted(unknown)}")
+            # calibration between the thirds of the steps, each part after one third: this
+            # VM's speed drifts by 20-30% within minutes (the bench's own GEMM check has read
+            # 20% below a calibration taken two minutes earlier) and the steps span all three.
+            # The device constants (GEMM rate, host time per op, ...) are measured in every
+            # part, the median of the three kept; the collectives' repeats are spread over the
+            # parts, the median of all kept.  The collective check's repeats alternate with
+            # the calibration's (below), so they are held out from the fit but see the same
+            # seconds.
+            chunk = compute_chunk()  # sized once, the same compute between every collective
+            groups = {g: dist.new_subgroups(g)[0] if g < WORLD else None for g in GROUPS}
+            parts = 3
 
-        def share(n: int, part: int) -> int:  # part's share of n things split in parts, exactly
-            return n // parts + (part < n % parts)
+            def share(n: int, part: int) -> int:  # part's share of n things split in parts, exactly
+                return n // parts + (part < n % parts)
 
-        thirds = [share(steps, part) for part in range(parts)]
-        samples: dict[int, dict[tuple[str, int], list[float]]] = {g: {} for g in GROUPS}
-        devices: list[Any] = []
-        micro: dict[str, list[float]] = {}
-        times: dict[str, list[list[float]]] = {}
-        for part, n in enumerate(thirds):
-            for name, ts in _timed_round_robin(steps_of, warmup if part == 0 else 0, n).items():
-                times.setdefault(name, []).extend(ts)
-            for g, group in groups.items():
-                checked = g == WORLD  # the check's collectives are among all ranks
-                if not (calibrate or checked):
-                    continue
-                # among all ranks while calibrating: twice the repeats, the even ones fitted,
-                # the odd ones checked, so the two see the same seconds of the machine
-                runs = 2 if calibrate and checked else 1
-                taken = collective_samples(g, MESSAGE_SIZES, chunk,
-                                           lambda nbytes, part=part, runs=runs: runs * share(_repeats(nbytes), part),
-                                           group)
-                for (kind, nbytes), ts in taken.items():
-                    if calibrate:
-                        samples[g].setdefault((kind, nbytes), []).extend(ts[::runs])
-                    if checked:
-                        micro.setdefault(f"{kind} {nbytes}", []).extend(ts[runs - 1::runs])
-            if calibrate:
-                devices += _all_ranks(measure_device(WORLD))
-        job = {"collectives": {g: collective_medians(s) for g, s in samples.items()},
-               "device": devices, "ranks": WORLD} if calibrate else None
-        result: dict[str, Any] = {"times": times, "job": job, "micro": micro}
-        result["collectives"] = {name: _collectives_per_step(step) for name, step in steps_of.items()}
-        dist.barrier()
-        result["gemm"] = _gemm_rates()
-        gathered: list[Any] = [None] * WORLD
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            torch.save(gathered, out)
-        dist.barrier()
+            thirds = [share(steps, part) for part in range(parts)]
+            samples: dict[int, dict[tuple[str, int], list[float]]] = {g: {} for g in GROUPS}
+            devices: list[Any] = []
+            micro: dict[str, list[float]] = {}
+            times: dict[str, list[list[float]]] = {}
+            for part, n in enumerate(thirds):
+                for name, ts in _timed_round_robin(steps_of, warmup if part == 0 else 0, n).items():
+                    times.setdefault(name, []).extend(ts)
+                for g, group in groups.items():
+                    checked = g == WORLD  # the check's collectives are among all ranks
+                    if not (calibrate or checked):
+                        continue
+                    # among all ranks while calibrating: twice the repeats, the even ones fitted,
+                    # the odd ones checked, so the two see the same seconds of the machine
+                    runs = 2 if calibrate and checked else 1
+                    taken = collective_samples(g, MESSAGE_SIZES, chunk,
+                                               lambda nbytes, part=part, runs=runs: runs * share(_repeats(nbytes), part),
+                                               group)
+                    for (kind, nbytes), ts in taken.items():
+                        if calibrate:
+                            samples[g].setdefault((kind, nbytes), []).extend(ts[::runs])
+                        if checked:
+                            micro.setdefault(f"{kind} {nbytes}", []).extend(ts[runs - 1::runs])
+                if calibrate:
+                    devices += _all_ranks(measure_device(WORLD))
+            job = {"collectives": {g: collective_medians(s) for g, s in samples.items()},
+                   "device": devices, "ranks": WORLD} if calibrate else None
+            result: dict[str, Any] = {"times": times, "job": job, "micro": micro}
+            result["collectives"] = counted
+            dist.barrier()
+            result["gemm"] = _gemm_rates()
+            gathered: list[Any] = [None] * WORLD
+            dist.all_gather_object(gathered, result)
+            if rank == 0:
+                torch.save(gathered, out)
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -455,36 +538,32 @@ def _step_table(results: list[dict], priced: dict[str, planner.Plan], ran: dict[
               f"fastest {max(rates) / 1e9:.1f} GFLOP/s")
 
 
-def _no_comm_table(no_comm: list[dict], results: list[dict], predicted: dict[str, planner.Plan],
-                   profile: dict) -> None:
-    """Each layout's step without communication against the predicted compute +
-    optimizer, and what communication added in the gloo run against the predicted
-    exposed communication."""
-    def step_of(per_rank: list[dict], name: str) -> float:
-        return _medians(_slowest_rank([r[name] for r in per_rank]))[3]
-
-    drift = step_of(no_comm, LOCAL) / step_of([r["times"] for r in results], LOCAL)
-    print(f"\n== Without communication: the same steps on {WORLD} processes over torch's fake "
-          f"process group (no-op collectives), {len(no_comm[0][LOCAL])} rounds ==")
-    print(f"the local reference ran {drift - 1:+.0%} against the gloo phase (the machine's drift "
-          f"between the two): the no-comm steps are divided by {drift:.2f}, as if it hit all alike")
+def _no_comm_table(results: list[dict], predicted: dict[str, planner.Plan], profile: dict) -> None:
+    """Each layout's step with its collectives switched off against the predicted compute +
+    optimizer, and what communication added to the step (the gloo step less the no-comm
+    one, round by round) against the predicted exposed communication."""
+    rounds = len(results[0]["times"][LOCAL])
+    print(f"\n== Without communication: each layout's step with its collectives switched off, in the "
+          f"same {rounds} rounds ==")
     print("predicted: compute + optimizer + DTensor's host time around each collective it issues "
-          "(dtensor_redistribute_s x the step's DTensor collectives), which the fake group runs too; "
-          "the model counts it as communication")
+          "(dtensor_redistribute_s x the step's DTensor collectives), which runs with the collectives "
+          "off too; the model counts it as communication")
     print(f"{'layout':<16}{'no-comm s':>10}{'predicted':>10}{'error':>8}   "
-          f"{'gloo - no-comm':>15}{'predicted':>10}{'error':>8}")
+          f"{'gloo - no-comm':>15}{'predicted':>10}{'error':>8}   rounds' gloo - no-comm, min..max")
     print(f"{'':<16}{'(compute and host)':>28}   {'(communication added, exposed)':>33}")
     for layout in LAYOUTS:
         t = predicted[layout.name].prediction.time
-        alone = step_of(no_comm, layout.name) / drift
-        gloo = step_of([r["times"] for r in results], layout.name)
+        gloo = _slowest_rank([r["times"][layout.name] for r in results])
+        alone = _slowest_rank([r["times"][_no_comm(layout.name)] for r in results])
+        added = [g[3] - a[3] for g, a in zip(gloo, alone, strict=True)]
         issued = dtensor_collectives(results[0]["collectives"][layout.name])
         host = issued * profile["dtensor_redistribute_s"]
         compute = t.compute_s + t.optimizer_s + host
-        comm = gloo - alone
-        print(f"{layout.name:<16}{alone:>10.3f}{compute:>10.3f}{compute / alone - 1:>+8.0%}   "
+        step, comm = _medians(alone)[3], statistics.median(added)
+        print(f"{layout.name:<16}{step:>10.3f}{compute:>10.3f}{compute / step - 1:>+8.0%}   "
               f"{comm:>15.3f}{t.exposed_communication_s - host:>10.3f}"
-              f"{(t.exposed_communication_s - host - comm) / max(comm, 1e-3):>+8.0%}")
+              f"{(t.exposed_communication_s - host - comm) / max(comm, 1e-3):>+8.0%}   "
+              f"{min(added):.3f}..{max(added):.3f}")
 
 
 def _collective_table(results: list[dict], profile: dict) -> None:
@@ -526,8 +605,6 @@ def main(argv: list[str] | None = None) -> None:
                     help="where the calibration writes the profile (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=9, help="timed steps per layout (the rounds)")
-    ap.add_argument("--no-comm-steps", type=int, default=4,
-                    help="timed steps per layout on the fake process group")
     args = ap.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # each table as it is done, also through a pipe
     print(f"start {time.strftime('%H:%M:%S UTC', time.gmtime())}; load average {_load()} "
@@ -548,11 +625,7 @@ def main(argv: list[str] | None = None) -> None:
         predicted = {layout.name: layout.plan(profile) for layout in LAYOUTS}
         _step_table(results, predicted, plans, profile)
         _collective_table(results, profile)
-        print(f"\nno-communication phase {time.strftime('%H:%M:%S UTC', time.gmtime())} ...")
-        mp.spawn(_fake_worker, args=(plans, out, args.warmup, args.no_comm_steps,
-                                     mp.get_context("spawn").Barrier(WORLD)), nprocs=WORLD, join=True)
-        no_comm = [torch.load(f"{out}.{r}", weights_only=False) for r in range(WORLD)]
-    _no_comm_table(no_comm, results, predicted, profile)
+    _no_comm_table(results, predicted, profile)
     print(f"\nend {time.strftime('%H:%M:%S UTC', time.gmtime())}; load average {_load()}")
 
 

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import fields
 
 import pytest
+from _dist import run_on_ranks
 from pydantic import ValidationError
 
 from cost_model.comm import (
@@ -253,6 +254,51 @@ def test_the_fidelity_bench_times_each_step_right_after_one_of_its_own():
     out = _timed_round_robin({"a": case("a"), "b": case("b")}, warmup=1, steps=2, barrier=lambda: None)
     assert ran == ["a", "b"] + ["a", "a", "b", "b"] * 2
     assert out == {"a": [[4.0], [8.0]], "b": [[6.0], [10.0]]}
+
+
+def _collectives_switched() -> dict[str, list[list[list[float]]]]:
+    """On each of 2 ranks: every kind of collective the fidelity bench's steps issue
+    (c10d's, and DTensor's functional ones), with the switch on, off, and after it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard
+
+    from bench.costmodel_fidelity import CollectivesSwitch
+
+    rank = dist.get_rank()
+    mesh = DeviceMesh("cpu", [0, 1])
+
+    def collectives() -> list[list[float]]:
+        summed = torch.full((2,), rank + 1.0)
+        dist.all_reduce(summed)
+        gathered = torch.empty(4)
+        dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank)))
+        scattered = torch.empty(2)
+        dist.reduce_scatter_tensor(scattered, torch.arange(4.0) + rank)
+        dt_gathered = DTensor.from_local(torch.full((2,), float(rank)), mesh, [Shard(0)]).full_tensor()
+        partial = DTensor.from_local(torch.full((2,), rank + 1.0), mesh, [Partial()])
+        dt_summed = partial.redistribute(mesh, [Replicate()]).to_local()
+        partial = DTensor.from_local(torch.arange(4.0) + rank, mesh, [Partial()])
+        dt_scattered = partial.redistribute(mesh, [Shard(0)]).to_local()
+        return [t.tolist() for t in (summed, gathered, scattered, dt_gathered, dt_summed, dt_scattered)]
+
+    with CollectivesSwitch() as switch:
+        out = {"on": collectives(), "off": switch.without(collectives)()}
+    switch.skipping = True  # no kernel left to read it
+    out["after"] = collectives()
+    return out
+
+
+def test_the_fidelity_bench_switches_every_collective_off_and_back_on():
+    """The bench times each layout's step with its collectives off in the same gloo job:
+    off, each returns at once with the rank's own data in the output's shape; on, and
+    after the switch is gone, each communicates."""
+    for rank, got in enumerate(run_on_ranks(2, _collectives_switched)):
+        chunk = [[1.0, 3.0], [5.0, 7.0]][rank]  # (0, 1, 2, 3) + (1, 2, 3, 4), split
+        real = [[3.0, 3.0], [0.0, 0.0, 1.0, 1.0], chunk, [0.0, 0.0, 1.0, 1.0], [3.0, 3.0], chunk]
+        own = float(rank)
+        alone = [[own + 1] * 2, [own] * 4, [own, own + 1], [own] * 4, [own + 1] * 2, [own, own + 1]]
+        assert got == {"on": real, "off": alone, "after": real}
 
 
 def test_the_planner_prices_attention_at_its_work_per_head():
