@@ -295,9 +295,10 @@ SWITCHABLE = {name for _, name in _NO_OPS}  # as CommDebugMode names them
 
 
 class CollectivesSwitch:
-    """Within its ``with`` block, ``off`` makes every collective of this process a no-op and
-    ``on`` restores it, so one gloo job times a layout's step with and without its
-    communication in the same round, as alike as the round robin makes all steps.
+    """Within its ``with`` block, a step run through ``without`` finds every collective of
+    this process a no-op, while the rest communicate, so one gloo job times a layout's
+    step with and without its communication in the same round, as alike as the round
+    robin makes all steps.
 
     Until session 35 the no-communication steps ran in a second job over torch's fake
     process group, minutes after the gloo job, and the machine's drift between the two
@@ -336,6 +337,8 @@ class CollectivesSwitch:
     def without(self, step: Callable[[], list[float]]) -> Callable[[], list[float]]:
         """``step`` run with every collective switched off."""
         def run() -> list[float]:
+            if not self._libraries:  # without its kernels every collective would still run
+                raise RuntimeError("CollectivesSwitch.without: a step run outside the switch's with block")
             self.skipping = True
             try:
                 return step()
@@ -349,67 +352,68 @@ def _worker(rank: int, plans: dict[str, str], init_file: str, out: str, warmup: 
     _rank_setup()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        with CollectivesSwitch() as switch:
-            steps_of = _steps(plans, switch)
-            # counted first (after a step of each: the first may set up more than a step
-            # does): a kind the switch does not know would run in the no-comm steps
-            for name in plans:
-                steps_of[name]()
-            counted = {name: _collectives_per_step(steps_of[name]) for name in plans}
-            unknown = {kind for kinds in counted.values() for kind in kinds} - SWITCHABLE
-            if unknown:
-                raise RuntimeError(f"CollectivesSwitch cannot switch off {sorted(unknown)}")
-            # calibration between the thirds of the steps, each part after one third: this
-            # VM's speed drifts by 20-30% within minutes (the bench's own GEMM check has read
-            # 20% below a calibration taken two minutes earlier) and the steps span all three.
-            # The device constants (GEMM rate, host time per op, ...) are measured in every
-            # part, the median of the three kept; the collectives' repeats are spread over the
-            # parts, the median of all kept.  The collective check's repeats alternate with
-            # the calibration's (below), so they are held out from the fit but see the same
-            # seconds.
-            chunk = compute_chunk()  # sized once, the same compute between every collective
-            groups = {g: dist.new_subgroups(g)[0] if g < WORLD else None for g in GROUPS}
-            parts = 3
+        switch = CollectivesSwitch()
+        steps_of = _steps(plans, switch)
+        # counted first (after a step of each: the first may set up more than a step
+        # does): a kind the switch does not know would run in the no-comm steps
+        for name in plans:
+            steps_of[name]()
+        counted = {name: _collectives_per_step(steps_of[name]) for name in plans}
+        unknown = {kind for kinds in counted.values() for kind in kinds} - SWITCHABLE
+        if unknown:
+            raise RuntimeError(f"CollectivesSwitch cannot switch off {sorted(unknown)}")
+        # calibration between the thirds of the steps, each part after one third: this
+        # VM's speed drifts by 20-30% within minutes (the bench's own GEMM check has read
+        # 20% below a calibration taken two minutes earlier) and the steps span all three.
+        # The device constants (GEMM rate, host time per op, ...) are measured in every
+        # part, the median of the three kept; the collectives' repeats are spread over the
+        # parts, the median of all kept.  The collective check's repeats alternate with
+        # the calibration's (below), so they are held out from the fit but see the same
+        # seconds.
+        chunk = compute_chunk()  # sized once, the same compute between every collective
+        groups = {g: dist.new_subgroups(g)[0] if g < WORLD else None for g in GROUPS}
+        parts = 3
 
-            def share(n: int, part: int) -> int:  # part's share of n things split in parts, exactly
-                return n // parts + (part < n % parts)
+        def share(n: int, part: int) -> int:  # part's share of n things split in parts, exactly
+            return n // parts + (part < n % parts)
 
-            thirds = [share(steps, part) for part in range(parts)]
-            samples: dict[int, dict[tuple[str, int], list[float]]] = {g: {} for g in GROUPS}
-            devices: list[Any] = []
-            micro: dict[str, list[float]] = {}
-            times: dict[str, list[list[float]]] = {}
-            for part, n in enumerate(thirds):
+        thirds = [share(steps, part) for part in range(parts)]
+        samples: dict[int, dict[tuple[str, int], list[float]]] = {g: {} for g in GROUPS}
+        devices: list[Any] = []
+        micro: dict[str, list[float]] = {}
+        times: dict[str, list[list[float]]] = {}
+        for part, n in enumerate(thirds):
+            with switch:  # only around the steps: calibration times gloo as `meshplan calibrate` does
                 for name, ts in _timed_round_robin(steps_of, warmup if part == 0 else 0, n).items():
                     times.setdefault(name, []).extend(ts)
-                for g, group in groups.items():
-                    checked = g == WORLD  # the check's collectives are among all ranks
-                    if not (calibrate or checked):
-                        continue
-                    # among all ranks while calibrating: twice the repeats, the even ones fitted,
-                    # the odd ones checked, so the two see the same seconds of the machine
-                    runs = 2 if calibrate and checked else 1
-                    taken = collective_samples(g, MESSAGE_SIZES, chunk,
-                                               lambda nbytes, part=part, runs=runs: runs * share(_repeats(nbytes), part),
-                                               group)
-                    for (kind, nbytes), ts in taken.items():
-                        if calibrate:
-                            samples[g].setdefault((kind, nbytes), []).extend(ts[::runs])
-                        if checked:
-                            micro.setdefault(f"{kind} {nbytes}", []).extend(ts[runs - 1::runs])
-                if calibrate:
-                    devices += _all_ranks(measure_device(WORLD))
-            job = {"collectives": {g: collective_medians(s) for g, s in samples.items()},
-                   "device": devices, "ranks": WORLD} if calibrate else None
-            result: dict[str, Any] = {"times": times, "job": job, "micro": micro}
-            result["collectives"] = counted
-            dist.barrier()
-            result["gemm"] = _gemm_rates()
-            gathered: list[Any] = [None] * WORLD
-            dist.all_gather_object(gathered, result)
-            if rank == 0:
-                torch.save(gathered, out)
-            dist.barrier()
+            for g, group in groups.items():
+                checked = g == WORLD  # the check's collectives are among all ranks
+                if not (calibrate or checked):
+                    continue
+                # among all ranks while calibrating: twice the repeats, the even ones fitted,
+                # the odd ones checked, so the two see the same seconds of the machine
+                runs = 2 if calibrate and checked else 1
+                taken = collective_samples(g, MESSAGE_SIZES, chunk,
+                                           lambda nbytes, part=part, runs=runs: runs * share(_repeats(nbytes), part),
+                                           group)
+                for (kind, nbytes), ts in taken.items():
+                    if calibrate:
+                        samples[g].setdefault((kind, nbytes), []).extend(ts[::runs])
+                    if checked:
+                        micro.setdefault(f"{kind} {nbytes}", []).extend(ts[runs - 1::runs])
+            if calibrate:
+                devices += _all_ranks(measure_device(WORLD))
+        job = {"collectives": {g: collective_medians(s) for g, s in samples.items()},
+               "device": devices, "ranks": WORLD} if calibrate else None
+        result: dict[str, Any] = {"times": times, "job": job, "micro": micro}
+        result["collectives"] = counted
+        dist.barrier()
+        result["gemm"] = _gemm_rates()
+        gathered: list[Any] = [None] * WORLD
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            torch.save(gathered, out)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

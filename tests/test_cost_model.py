@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 from dataclasses import fields
+from typing import Any
 
 import pytest
 from _dist import run_on_ranks
@@ -256,7 +257,7 @@ def test_the_fidelity_bench_times_each_step_right_after_one_of_its_own():
     assert out == {"a": [[4.0], [8.0]], "b": [[6.0], [10.0]]}
 
 
-def _collectives_switched() -> dict[str, list[list[list[float]]]]:
+def _collectives_switched() -> dict[str, Any]:
     """On each of 2 ranks: every kind of collective the fidelity bench's steps issue
     (c10d's, and DTensor's functional ones), with the switch on, off, and after it."""
     import torch
@@ -282,23 +283,32 @@ def _collectives_switched() -> dict[str, list[list[list[float]]]]:
         dt_scattered = partial.redistribute(mesh, [Shard(0)]).to_local()
         return [t.tolist() for t in (summed, gathered, scattered, dt_gathered, dt_summed, dt_scattered)]
 
-    with CollectivesSwitch() as switch:
-        out = {"on": collectives(), "off": switch.without(collectives)()}
+    switch = CollectivesSwitch()
+    with switch:
+        out: dict[str, Any] = {"on": collectives(), "off": switch.without(collectives)()}
+    with switch:  # again, as the bench enters it around each third of its steps
+        out["off again"] = switch.without(collectives)()
     switch.skipping = True  # no kernel left to read it
     out["after"] = collectives()
+    try:
+        switch.without(collectives)()
+    except RuntimeError as e:
+        out["outside"] = str(e)
     return out
 
 
 def test_the_fidelity_bench_switches_every_collective_off_and_back_on():
     """The bench times each layout's step with its collectives off in the same gloo job:
     off, each returns at once with the rank's own data in the output's shape; on, and
-    after the switch is gone, each communicates."""
+    after the switch is gone, each communicates; outside the switch a step cannot be run
+    as switched off."""
     for rank, got in enumerate(run_on_ranks(2, _collectives_switched)):
         chunk = [[1.0, 3.0], [5.0, 7.0]][rank]  # (0, 1, 2, 3) + (1, 2, 3, 4), split
         real = [[3.0, 3.0], [0.0, 0.0, 1.0, 1.0], chunk, [0.0, 0.0, 1.0, 1.0], [3.0, 3.0], chunk]
         own = float(rank)
         alone = [[own + 1] * 2, [own] * 4, [own, own + 1], [own] * 4, [own + 1] * 2, [own, own + 1]]
-        assert got == {"on": real, "off": alone, "after": real}
+        assert got.pop("outside").endswith("a step run outside the switch's with block")
+        assert got == {"on": real, "off": alone, "off again": alone, "after": real}
 
 
 def test_the_planner_prices_attention_at_its_work_per_head():
