@@ -315,18 +315,17 @@ class CollectivesSwitch:
 
     def __enter__(self) -> CollectivesSwitch:
         after_autograd = torch._C._after_autograd_keyset
-        for namespace in sorted({ns for ns, _ in _NO_OPS}):
-            library = torch.library.Library(namespace, "IMPL")
-            self._libraries.append(library)
-            for (ns, name), no_op in _NO_OPS.items():
-                if ns != namespace:
-                    continue
-                op = getattr(getattr(torch.ops, ns), name).default
+        libraries: dict[str, torch.library.Library] = {}
+        for (ns, name), no_op in _NO_OPS.items():
+            op = getattr(getattr(torch.ops, ns), name).default
 
-                def kernel(keyset: Any, *args: Any, op: Any = op, no_op: Any = no_op) -> Any:
-                    return no_op(*args) if self.skipping else op.redispatch(keyset & after_autograd, *args)
+            def kernel(keyset: Any, *args: Any, op: Any = op, no_op: Any = no_op) -> Any:
+                return no_op(*args) if self.skipping else op.redispatch(keyset & after_autograd, *args)
 
-                library.impl(name, kernel, "AutogradCPU", with_keyset=True)
+            if ns not in libraries:
+                libraries[ns] = torch.library.Library(ns, "IMPL")
+            libraries[ns].impl(name, kernel, "AutogradCPU", with_keyset=True)
+        self._libraries = list(libraries.values())
         return self
 
     def __exit__(self, *exc: object) -> None:
