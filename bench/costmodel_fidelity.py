@@ -74,7 +74,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -294,7 +294,40 @@ _NO_OPS: dict[tuple[str, str], Callable[..., Any]] = {
 SWITCHABLE = {name for _, name in _NO_OPS}  # as CommDebugMode names them
 
 
-class CollectivesSwitch:
+_K = TypeVar("_K", bound="KernelsBelowAutograd")
+
+
+class KernelsBelowAutograd:
+    """A ``with`` block that registers Python kernels for ``OPS`` ((namespace, name) pairs)
+    at AutogradCPU, which the dispatcher reaches before gloo's CPU kernel, and removes
+    them on leaving.  ``_kernel(ns, name, op)`` makes each; it is called with the dispatch
+    keyset first, to redispatch below autograd."""
+
+    OPS: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def __init__(self) -> None:
+        self._libraries: list[torch.library.Library] = []
+
+    def __enter__(self: _K) -> _K:
+        libraries: dict[str, torch.library.Library] = {}
+        for ns, name in self.OPS:
+            op = getattr(getattr(torch.ops, ns), name).default
+            if ns not in libraries:
+                libraries[ns] = torch.library.Library(ns, "IMPL")
+            libraries[ns].impl(name, self._kernel(ns, name, op), "AutogradCPU", with_keyset=True)
+        self._libraries = list(libraries.values())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for library in self._libraries:
+            library._destroy()
+        self._libraries.clear()
+
+    def _kernel(self, ns: str, name: str, op: Any) -> Callable[..., Any]:
+        raise NotImplementedError
+
+
+class CollectivesSwitch(KernelsBelowAutograd):
     """Within its ``with`` block, a step run through ``without`` finds every collective of
     this process a no-op, while the rest communicate, so one gloo job times a layout's
     step with and without its communication in the same round, as alike as the round
@@ -304,34 +337,23 @@ class CollectivesSwitch:
     process group, minutes after the gloo job, and the machine's drift between the two
     moved the split by tens of points from run to run (TP's compute error read -1% to
     -35% in runs 90-94).  A process has one default group and torch has no switch for
-    it, so this registers a Python kernel at AutogradCPU, which the dispatcher reaches
-    before gloo's CPU kernel, for c10d's collective ops (``torch.distributed``'s API,
+    it, so this registers a kernel for c10d's collective ops (``torch.distributed``'s API,
     FSDP2) and the functional ones (DTensor): it either redispatches below autograd, to
-    gloo, or returns what ``_NO_OPS`` gives.  Leaving the block removes the kernels."""
+    gloo, or returns what ``_NO_OPS`` gives."""
+
+    OPS = tuple(_NO_OPS)
 
     def __init__(self) -> None:
+        super().__init__()
         self.skipping = False
-        self._libraries: list[torch.library.Library] = []
 
-    def __enter__(self) -> CollectivesSwitch:
-        after_autograd = torch._C._after_autograd_keyset
-        libraries: dict[str, torch.library.Library] = {}
-        for (ns, name), no_op in _NO_OPS.items():
-            op = getattr(getattr(torch.ops, ns), name).default
+    def _kernel(self, ns: str, name: str, op: Any) -> Callable[..., Any]:
+        after_autograd, no_op = torch._C._after_autograd_keyset, _NO_OPS[(ns, name)]
 
-            def kernel(keyset: Any, *args: Any, op: Any = op, no_op: Any = no_op) -> Any:
-                return no_op(*args) if self.skipping else op.redispatch(keyset & after_autograd, *args)
+        def kernel(keyset: Any, *args: Any) -> Any:
+            return no_op(*args) if self.skipping else op.redispatch(keyset & after_autograd, *args)
 
-            if ns not in libraries:
-                libraries[ns] = torch.library.Library(ns, "IMPL")
-            libraries[ns].impl(name, kernel, "AutogradCPU", with_keyset=True)
-        self._libraries = list(libraries.values())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for library in self._libraries:
-            library._destroy()
-        self._libraries.clear()
+        return kernel
 
     def without(self, step: Callable[[], list[float]]) -> Callable[[], list[float]]:
         """``step`` run with every collective switched off."""

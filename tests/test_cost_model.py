@@ -311,6 +311,90 @@ def test_the_fidelity_bench_switches_every_collective_off_and_back_on():
         assert got == {"on": real, "off": alone, "off again": alone, "after": real}
 
 
+def _collectives_clocked() -> list[Any]:
+    """On each of 2 ranks: a c10d all-reduce, then a DTensor all-reduce, rank 1 issuing
+    each 0.1 s late, then a c10d reduce-scatter and a DTensor all-gather, as
+    ``CollectiveClock`` records them; then the clock's error outside its block."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard
+
+    from bench.collective_wait import CollectiveClock
+
+    rank = dist.get_rank()
+    mesh = DeviceMesh("cpu", [0, 1])
+
+    def step() -> None:
+        dist.barrier()  # the ranks start the test apart
+        time.sleep(0.1 * rank)
+        dist.all_reduce(torch.ones(2))
+        time.sleep(0.1 * rank)
+        DTensor.from_local(torch.ones(2), mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local() + 0
+        dist.reduce_scatter_tensor(torch.empty(2), torch.ones(4))
+        DTensor.from_local(torch.ones(2), mesh, [Shard(0)]).full_tensor()
+
+    clock = CollectiveClock()
+    with clock:
+        out: list[Any] = [clock.record(step)]
+    try:
+        clock.record(step)
+    except RuntimeError as e:
+        out.append(str(e))
+    return out
+
+
+def test_the_collective_wait_bench_clocks_each_collective_on_every_rank():
+    """Each collective of a step, c10d's and DTensor's, with its group and the shared
+    clock's issue and return; the ranks' records decompose into the segment before a
+    collective, the wait for the group's last rank and the transfer after it."""
+    from bench.collective_wait import decompose
+
+    records, errors = zip(*run_on_ranks(2, _collectives_clocked), strict=True)
+    assert all(e.endswith("called outside the clock's with block") for e in errors)
+    for log in records:
+        # with their nccl-tests sizes: the all-gather's output, the reduce-scatter's input
+        assert [entry[:3] for entry in log] == [("allreduce_", (0, 1), 8), ("all_reduce", (0, 1), 8),
+                                                ("_reduce_scatter_base_", (0, 1), 16),
+                                                ("all_gather_into_tensor", (0, 1), 16)]
+        assert all(issued <= returned for *_, issued, returned in log)
+    *_, issued, returned = records[0][0]
+    assert returned - issued > 0.05  # c10d's: rank 0 returned once rank 1 had come
+    ((segment, wait, transfer),) = decompose(records)[("all_reduce", 2, 8)]
+    assert segment > 0.03 and wait > 0.03  # rank 1 computed (slept) 0.1 s; rank 0 waited for it
+    assert segment - wait == pytest.approx(0.0, abs=0.02) and transfer >= 0
+
+
+def test_collective_wait_decomposes_each_collective_per_group():
+    from bench.collective_wait import decompose
+
+    world = (0, 1, 2, 3)
+    first = [("c", world, 8, 0.5, r) for r in (1.0, 1.0, 1.1, 1.0)]
+    second = [("a", (0, 1), 64, 1.2, 1.6), ("a", (0, 1), 64, 1.5, 1.6),
+              ("a", (2, 3), 64, 1.3, 1.4), ("a", (2, 3), 64, 1.3, 1.5)]
+    logs = [[f, s] for f, s in zip(first, second, strict=True)]
+    got = decompose(logs)
+    assert list(got) == [("a", 2, 64)]  # the step's first collective has no segment before it
+    assert got[("a", 2, 64)] == [pytest.approx((0.35, 0.15, 0.1)), pytest.approx((0.25, 0.0, 0.15))]
+    logs[1][1] = ("a", (0, 1), 32, 1.5, 1.6)
+    with pytest.raises(ValueError, match="collective 1 differs between the ranks of group"):
+        decompose(logs)
+    with pytest.raises(ValueError, match=r"recorded \[2, 1, 2, 2\] collectives"):
+        decompose([logs[0], logs[1][:1], logs[2], logs[3]])
+
+
+def test_collective_wait_drift_tables():
+    from bench.collective_wait import drift_at, drift_table
+
+    table = [(0.01, 0.004), (0.04, 0.008)]  # shares 40% and 20%
+    assert drift_at(table, 0.02) == pytest.approx(0.02 * (0.4 * 0.2) ** 0.5)  # halfway, log-log
+    assert drift_at(table, 0.04) == pytest.approx(0.008)
+    assert drift_at(table, 0.005) == pytest.approx(0.002) and drift_at(table, 0.08) == pytest.approx(0.016)
+    per_rank = [[(2, a), (10, b)] for a, b in ((1.0, 4.0), (2.0, 4.0), (3.0, 4.0), (6.0, 4.0))]
+    assert drift_table(per_rank, [(0, 1), (2, 3)]) == [(2, 3.0, 3.0, 1.0), (10, 4.0, 0.0, 0.0)]
+
+
 def test_the_planner_prices_attention_at_its_work_per_head():
     """The fidelity bench's Llama (heads 8, head dim 32, sequence 128): its attention does
     2 x 128^2 x 32 forward FLOPs per (sequence, head) pair, whatever the batch or the
