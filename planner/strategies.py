@@ -242,8 +242,8 @@ def _compute_s(ctx: Context, nodes: Sequence[tuple[dict, float]], shards: int,
         fwd, bwd, f_bytes, b_bytes, f_trans, b_trans = _scaled(ctx, d)
         f_bytes, b_bytes = f_bytes * scale, b_bytes * scale
         attention = d["short"] == "scaled_dot_product_attention"
-        # the query's (sequence, head) pairs, which splitting by batch or heads divides
-        # alike (split by sequence, a pair's work shrinks too: priced at the whole's rate)
+        # the query's (sequence, head) pairs, which splitting by batch or heads (its only
+        # splits: _anchor_layouts) divides without changing a pair's work
         head_flops = d["fwd_flops"] / math.prod(d["in_shapes"][0][:-2]) if attention else None
         fresh_f, fresh_b = _fresh_pages_s(ctx, d, shards if out_shards is None else out_shards)
         t_f = op_time(ctx.profile, fwd / shards, f_bytes / shards, ctx.dtype, dtensor,
