@@ -10,7 +10,7 @@ TP+SP's saved 17% and fsdp2 x tp2+SP's 40% below their price, TP's 2% below).  T
 waits for its group's slowest rank, and the drift grows with the compute since the
 group last met; in a step that compute differs by collective (a whole attention or MLP
 block before TP's all-reduce, a norm before SP's all-gather), in the calibration it is
-always one chunk.  Two tables, from one 4-rank gloo job:
+always one chunk.  Three tables, from one 4-rank gloo job:
 
 1. Drift of barrier-started compute: every rank runs the same matmuls for about ``T``
    ms after a barrier; per ``T``, the slowest of the 4 ranks and the slower of each
@@ -25,6 +25,11 @@ always one chunk.  Two tables, from one 4-rank gloo job:
    (interpolated log-log; the pairs' column for groups of 2), and beside what it costs
    in the step (wait + transfer), what the same collective costs timed as ``meshplan
    calibrate`` times the collectives the model is fitted to (between ~10 ms chunks).
+3. Per layout and step, all its collectives: the wall time in them (mean rank), their
+   price as calibrated (table 2's), and what switching them off saved
+   (``CollectivesSwitch``, the steps with and without taking turns, paired round by
+   round, the slowest rank's step): what the step pays, which the wall time need not be
+   on a machine whose ranks share cores.
 
 c10d's collectives (FSDP2's, which it issues synchronously on a CPU: ``unshard_async_op``
 is off) are waited inside the recorder, at once, so that they too end a segment.  Each
@@ -128,8 +133,9 @@ class CollectiveClock(KernelsBelowAutograd):
                 self._pending[out.data_ptr()] = entry
             elif self._depth == 0:  # not the c10d op a functional all-reduce runs through
                 out[-1].wait()
+                returned = time.perf_counter()
                 group, full = (args[1], args[0][0]) if name == "allreduce_" else (args[2], max(args[:2], key=torch.Tensor.numel))
-                self._log.append([name, _group_ranks(group), full.nbytes, issued, time.perf_counter()])
+                self._log.append([name, _group_ranks(group), full.nbytes, issued, returned])
             return out
 
         return kernel
