@@ -60,11 +60,13 @@ from bench.costmodel_fidelity import (
     WORLD,
     CollectivesSwitch,
     KernelsBelowAutograd,
+    _all_ranks,
     _no_comm,
     _rank_setup,
     _slowest_rank,
     _steps,
     _timed_round_robin,
+    save_all_ranks,
 )
 from cost_model.calibrate import _collective, compute_chunk, timed_between_compute
 
@@ -250,15 +252,9 @@ def _worker(rank: int, init_file: str, out: str, steps: int) -> None:
         with switch:  # each layout's step and the same with its collectives off, in turns
             timed = _timed_round_robin(steps_of, 0, steps)
         mine = {(e[0], len(e[1]), e[2]) for runs in logs.values() for log in runs for e in log}
-        every: list[Any] = [None] * WORLD
-        dist.all_gather_object(every, mine)
-        keys = sorted(set().union(*every))  # the same on every rank, which all time each
-        result = {"logs": logs, "timed": timed, "drift": _drift_trials(reps=3),
-                  "calibrated": _as_calibrated(keys, repeats=7)}
-        gathered: list[Any] = [None] * WORLD
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            torch.save(gathered, out)
+        keys = sorted(set().union(*_all_ranks(mine)))  # the same on every rank, which all time each
+        save_all_ranks({"logs": logs, "timed": timed, "drift": _drift_trials(reps=3),
+                        "calibrated": _as_calibrated(keys, repeats=7)}, out)
     finally:
         dist.destroy_process_group()
 

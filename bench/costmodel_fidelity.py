@@ -258,6 +258,14 @@ def _all_ranks(value: Any) -> list[Any]:
     return out
 
 
+def save_all_ranks(value: Any, out: str) -> None:
+    """Every rank's ``value``, saved by rank 0 to ``out`` for the spawning process (call on
+    every rank)."""
+    gathered = _all_ranks(value)
+    if dist.get_rank() == 0:
+        torch.save(gathered, out)
+
+
 def _rank_setup() -> None:
     torch.set_num_threads(1)  # 4 ranks on 2 cores: one thread each, as the executor tests run
     # HF outputs are dataclasses, so torch warns on every step that module backward hooks
@@ -430,10 +438,7 @@ def _worker(rank: int, plans: dict[str, str], init_file: str, out: str, warmup: 
         result["collectives"] = counted
         dist.barrier()
         result["gemm"] = _gemm_rates()
-        gathered: list[Any] = [None] * WORLD
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            torch.save(gathered, out)
+        save_all_ranks(result, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()

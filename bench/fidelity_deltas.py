@@ -39,6 +39,7 @@ from bench.costmodel_fidelity import (
     _slowest_rank,
     _steps,
     _timed_round_robin,
+    save_all_ranks,
 )
 from cost_model.profile import load_profile
 
@@ -86,11 +87,7 @@ def _worker(rank: int, plans: dict[str, str], init: str, out: str, rounds: int) 
                 _SKIP["on"] = False
 
         steps[SKIPPED] = skipped
-        times = _timed_round_robin(steps, 2, rounds)
-        gathered: list[Any] = [None] * WORLD
-        dist.all_gather_object(gathered, times)
-        if rank == 0:
-            torch.save(gathered, out)
+        save_all_ranks(_timed_round_robin(steps, 2, rounds), out)
     finally:
         dist.destroy_process_group()
 
