@@ -553,7 +553,7 @@ def _step_table(results: list[dict], priced: dict[str, planner.Plan], ran: dict[
     fwd, bwd, opt, step, _ = _medians(_slowest_rank(per_rank))
     # nothing syncs these ranks, and the profile's device constants are medians over ranks:
     # the ranks' mean is what they describe, the slowest rank adds their drift apart
-    # (bench.collective_wait: ~7-10% after 0.3-0.4 s of compute, session 36)
+    # (bench.collective_wait: 5-10% after 0.3-0.4 s of compute, session 36)
     mean = statistics.median(statistics.fmean(sum(rank[i][:3]) for rank in per_rank)
                              for i in range(len(per_rank[0])))
     # the same plain model on one device (no FSDP2, no DTensor), under the ranks' profile
