@@ -61,11 +61,10 @@ from bench.costmodel_fidelity import (
     CollectivesSwitch,
     KernelsBelowAutograd,
     _all_ranks,
-    _no_comm,
     _rank_setup,
-    _slowest_rank,
     _steps,
     _timed_round_robin,
+    comm_added,
     save_all_ranks,
 )
 from cost_model.calibrate import _collective, compute_chunk, timed_between_compute
@@ -292,8 +291,7 @@ def _report(gathered: list[dict[str, Any]]) -> None:
         wall = statistics.median(statistics.fmean(sum(e[4] - e[3] for e in g["logs"][layout][s]) for g in gathered)
                                  for s in range(len(runs)))
         priced = sum(calibrated[(e[0], len(e[1]), e[2])] for e in runs[0])
-        on, off = (_slowest_rank([g["timed"][case] for g in gathered]) for case in (layout, _no_comm(layout)))
-        saved = statistics.median(a[3] - b[3] for a, b in zip(on, off, strict=True))
+        saved = statistics.median(comm_added([g["timed"] for g in gathered], layout))
         print(f"{layout:<16} {wall:19.3f}  {priced:13.3f}  {saved:14.3f}")
 
 

@@ -63,6 +63,7 @@ run does not calibrate and every repeat is checked.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import math
 import os
@@ -305,7 +306,7 @@ SWITCHABLE = {name for _, name in _NO_OPS}  # as CommDebugMode names them
 _K = TypeVar("_K", bound="KernelsBelowAutograd")
 
 
-class KernelsBelowAutograd:
+class KernelsBelowAutograd(abc.ABC):
     """A ``with`` block that registers Python kernels for ``OPS`` ((namespace, name) pairs)
     at AutogradCPU, which the dispatcher reaches before gloo's CPU kernel, and removes
     them on leaving.  ``_kernel(ns, name, op)`` makes each; it is called with the dispatch
@@ -331,8 +332,9 @@ class KernelsBelowAutograd:
             library._destroy()
         self._libraries.clear()
 
+    @abc.abstractmethod
     def _kernel(self, ns: str, name: str, op: Any) -> Callable[..., Any]:
-        raise NotImplementedError
+        """The kernel for ``op`` (``ns::name``)."""
 
 
 class CollectivesSwitch(KernelsBelowAutograd):
@@ -452,6 +454,14 @@ def _slowest_rank(per_rank: list[list[list[float]]]) -> list[list[float]]:
     return [[max(r[i] for r in ranks) for i in range(3)] + [max(sum(r[:3]) for r in ranks),
                                                              sum(r[3] for r in ranks)]
             for ranks in zip(*per_rank, strict=True)]
+
+
+def comm_added(per_rank: list[dict[str, list[list[float]]]], name: str) -> list[float]:
+    """Per round, the slowest rank's step of layout ``name`` less its step with the
+    collectives switched off (``per_rank[r]``: rank ``r``'s times per case): the rounds
+    pair the two, which took turns."""
+    gloo, alone = (_slowest_rank([r[case] for r in per_rank]) for case in (name, _no_comm(name)))
+    return [g[3] - a[3] for g, a in zip(gloo, alone, strict=True)]
 
 
 def _medians(steps: list[list[float]]) -> list[float]:
@@ -589,9 +599,8 @@ def _no_comm_table(results: list[dict], predicted: dict[str, planner.Plan], prof
     print(f"{'':<16}{'(compute and host)':>28}   {'(communication added, exposed)':>33}")
     for layout in LAYOUTS:
         t = predicted[layout.name].prediction.time
-        gloo = _slowest_rank([r["times"][layout.name] for r in results])
         alone = _slowest_rank([r["times"][_no_comm(layout.name)] for r in results])
-        added = [g[3] - a[3] for g, a in zip(gloo, alone, strict=True)]
+        added = comm_added([r["times"] for r in results], layout.name)
         issued = dtensor_collectives(results[0]["collectives"][layout.name])
         host = issued * profile["dtensor_redistribute_s"]
         compute = t.compute_s + t.optimizer_s + host
