@@ -64,29 +64,47 @@ def json_type_name(value: Any) -> str:
     return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
 
 
+def _is_text(s: str) -> bool:
+    """Whether ``s`` is Unicode text.  JSON's escapes can spell a lone UTF-16 surrogate
+    (``"\\ud800"``), which Python's parser accepts but no UTF-8 encoder (pydantic's
+    serialiser, SQLite) does."""
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_json_value(value: Any, max_depth: int) -> None:
     """Refuse what would make a parsed JSON value unusable as part of a request's content
-    address: nesting deeper than ``max_depth`` (pydantic's serialiser fails on deep values
-    with 'Circular reference detected') and NaN or infinities (serialised as null, so
-    ``NaN`` and ``Infinity`` would be one request).  Iterative: a deep value must not
-    exhaust the Python stack here either.  Raises PydanticCustomError JSON_VALUE_ERROR."""
+    address or its stored copy: nesting deeper than ``max_depth`` (pydantic's serialiser
+    fails on deep values with 'Circular reference detected'), NaN or infinities
+    (serialised as null, so ``NaN`` and ``Infinity`` would be one request), and strings or
+    keys that are not Unicode text (``_is_text``; a 500 from the store before).
+    Iterative: a deep value must not exhaust the Python stack here either.  Raises
+    PydanticCustomError JSON_VALUE_ERROR."""
+    def refuse(path: tuple[str, ...], problem: str) -> PydanticCustomError:
+        return PydanticCustomError(JSON_VALUE_ERROR, "{path}: {problem}", {"path": ".".join(path), "problem": problem})
+
+    not_text = "not Unicode text (a lone UTF-16 surrogate escape, \\ud800-\\udfff)"
     stack: list[tuple[Any, tuple[str, ...], int]] = [(value, (), 1)]
     while stack:
         node, path, depth = stack.pop()
         if isinstance(node, float) and not math.isfinite(node):
-            raise PydanticCustomError(JSON_VALUE_ERROR, "{path}: {problem}",
-                                      {"path": ".".join(path), "problem": "must be a finite number"})
+            raise refuse(path, "must be a finite number")
+        if isinstance(node, str) and not _is_text(node):
+            raise refuse(path, not_text)
         children: list[tuple[str, Any]]
         if isinstance(node, dict):
             children = [(str(k), v) for k, v in node.items()]
+            if not all(_is_text(k) for k, _ in children):  # named by its object: the key cannot be printed
+                raise refuse(path, f"a key is {not_text}")
         elif isinstance(node, list):
             children = [(str(i), v) for i, v in enumerate(node)]
         else:
             continue
         if depth > max_depth:
-            raise PydanticCustomError(
-                JSON_VALUE_ERROR, "{path}: {problem}",
-                {"path": "", "problem": f"nested too deeply (more than {max_depth} levels of objects and arrays)"})
+            raise refuse((), f"nested too deeply (more than {max_depth} levels of objects and arrays)")
         # Reversed, so that the first problem in document order is the one reported.
         stack.extend((child, (*path, key), depth + 1) for key, child in reversed(children))
 
@@ -151,6 +169,8 @@ class PlanRequest(_Request):
         if not isinstance(value, str | dict):
             raise ValueError(f"expected a shipped profile name or an inline profile object, "
                              f"got {json_type_name(value)}")
+        if isinstance(value, dict):  # its JSON is hashed for the plan list's label
+            check_json_value(value, MAX_HF_CONFIG_DEPTH)
         return value
 
     @field_validator("model")

@@ -265,7 +265,7 @@ def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
     # JSON's 1e400 parses as inf (a 500 from the ILP before); 1e-300 B/s is finite but no
     # machine's, and 1e-308 FLOP/s or an efficiency of 5e-324 priced a step at inf (a 500, review)
     (json.dumps({**TINY, "profile": _inline_profile("mine", all_reduce=12345.5)}).replace("12345.5", "1e400").encode(),
-     422, "profile.levels.0.busbw.all_reduce: Input should be a finite number"),
+     422, "profile.levels.0.busbw.all_reduce: must be a finite number"),
     ({**TINY, "profile": _inline_profile("mine", all_reduce=1e-300)}, 422,
      "profile.levels.0.busbw.all_reduce: Input should be greater than or equal to 1000000"),
     ({**TINY, "profile": {**_inline_profile("mine"), "memory_bytes": True}}, 422,  # was 1 byte
@@ -305,6 +305,13 @@ def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
      "model.hf_config.rms_norm_eps: must be a finite number"),
     ({**TINY, "model": {"hf_config": {"model_type": "llama", "rope_scaling": {"f": [1.0, float("-inf")]}}}},
      422, "model.hf_config.rope_scaling.f.1: must be a finite number"),
+    # A lone surrogate escape parses in Python but no UTF-8 encoder takes it: a 500 when the
+    # request was stored, after the solve (audit, session 37).
+    ({**TINY, "model": {"hf_config": {**PRESETS["llama-tiny"], "foo": ["\ud800"]}}}, 422,
+     "model.hf_config.foo.0: not Unicode text"),
+    ({**TINY, "model": {"hf_config": {**PRESETS["llama-tiny"], "rope_scaling": {"\udfff": 1}}}}, 422,
+     "model.hf_config.rope_scaling: a key is not Unicode text"),
+    ({**TINY, "profile": {**_inline_profile("mine"), "source": "x\ud800"}}, 422, "profile.source: not Unicode text"),
     ({**TINY, "time_limit_s": True}, 422, "time_limit_s: Input should be a valid number"),
     ({**TINY, "time_limit_s": "5"}, 422, "time_limit_s: Input should be a valid number"),
     # Neither branch of a union: named as the field's, not as one branch's (or a tag's).
