@@ -122,7 +122,12 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
         # default backends: gloo for CPU tensors, NCCL for CUDA ones where CUDA exists.
         dist.init_process_group()
     world = mesh.size() if mesh is not None else dist.get_world_size() if dist.is_initialized() else 1
-    layout = _check(plan, model, world, mesh)
+    try:
+        layout = _check(plan, model, world, mesh)
+    except PlanError:
+        _agree(mesh, refused=True)
+        raise
+    _agree(mesh, refused=False)
     _refuse_hf_checkpointing_later(model, plan)
     # the plan's micro-batches without pipeline stages: the model's call runs them
     # (executor.accumulate) where the loss is the model's, else the loop must
@@ -264,6 +269,17 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
                         "parallelised before; executor.apply takes the plain model")
     named = list(model.named_parameters())
     problems += plan.fingerprint.mismatches(Fingerprint.of((n, p.shape) for n, p in named))
+    tensors = [*named, *model.named_buffers()]
+    if 0 < len(meta := [n for n, t in tensors if t.is_meta]) < len(tensors):
+        # the init program apply runs for a meta model writes every tensor: it silently
+        # replaced loaded weights (audit, session 37)
+        more = f" (and {len(meta) - 1} more)" if len(meta) > 1 else ""
+        problems.append(
+            f"{meta[0]}{more}: on the meta device while the model's other tensors hold values; apply "
+            "initialises a model wholly on the meta device (every value from the init program, which would "
+            "overwrite the others) or takes a wholly real one. load_state_dict(..., assign=True) into a meta "
+            "model leaves what the state dict lacks on meta (Hugging Face's non-persistent buffers, such as "
+            "rotary_emb.inv_freq): load into a model built for real")
     if mesh is None and world != plan.devices:
         where = "the process group" if dist.is_initialized() else "no process group (plain single process)"
         problems.append(f"devices: the plan is for {plan.devices} devices, {where} has {world}")
@@ -305,6 +321,32 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
     if problems:
         raise PlanError("plan does not fit the model:\n  " + "\n  ".join(problems))
     return layout
+
+
+def _agree(mesh: DeviceMesh | None, refused: bool) -> None:
+    """Every rank learns whether any rank's checks refused the plan, before the first
+    collective that sets anything up (building the mesh, the first rank's broadcast).
+    Ranks check their own models, which can differ (built or loaded apart); the ones whose
+    checks passed waited in that collective for a rank that had raised, until the process
+    group's timeout (30 minutes by default), or failed with gloo's 'Connection closed by
+    peer' where that rank's process ended (audit, session 37).  One MAX all-reduce over
+    the world (or over each dim of a given mesh) of (refused, -rank): on the ranks that
+    passed, raises a PlanError naming the first rank that refused."""
+    if mesh is not None:
+        groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1]
+    elif dist.is_initialized():
+        groups = [dist.group.WORLD]
+    else:
+        return
+    rank = dist.get_rank()
+    flag = torch.tensor([int(refused), -rank if refused else -(1 << 62)], dtype=torch.int64)
+    for group in groups:
+        if dist.get_backend(group) == "nccl":  # takes CUDA tensors only
+            flag = flag.to(_cuda_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag[0] and not refused:
+        raise PlanError(f"plan: rank {-int(flag[1])} refused it (its error names the problem); this rank's "
+                        "checks passed, and the ranks must agree before any of them changes its model")
 
 
 def _mesh_problems(plan: Plan, mesh: DeviceMesh, layout: _Layout) -> list[str]:
@@ -355,14 +397,21 @@ def _build_mesh(plan: Plan, layout: _Layout) -> DeviceMesh:
         shape.insert(at, 1)
         layout.shard = _UNIT_SHARD_DIM
     if device == "cuda":
-        local = os.environ.get("LOCAL_RANK")
-        torch.cuda.set_device(int(local) if local is not None else dist.get_rank() % torch.cuda.device_count())
+        _cuda_device()
     key = (device, tuple(shape), tuple(names))
     held = _MESHES.get(key)
     if held is None or held[0] is not dist.group.WORLD:
         mesh = init_device_mesh(device, key[1], mesh_dim_names=key[2])  # (may start the default group)
         held = _MESHES[key] = (dist.group.WORLD, mesh)
     return held[1]
+
+
+def _cuda_device() -> torch.device:
+    """This rank's GPU, made current: LOCAL_RANK's (torchrun's) or the rank's modulo the
+    GPUs this host has."""
+    local = os.environ.get("LOCAL_RANK")
+    torch.cuda.set_device(int(local) if local is not None else dist.get_rank() % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _from_first_rank(model: nn.Module, mesh: DeviceMesh) -> None:

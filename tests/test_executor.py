@@ -1058,6 +1058,47 @@ def test_a_meta_model_without_a_seed_says_which_call_is_missing(monkeypatch: pyt
         executor.apply(make_plan(meta, {"dp": 1}), meta)
 
 
+def test_a_model_partly_on_meta_is_refused_naming_its_meta_tensors() -> None:
+    """Weights loaded into a meta model with assign=True leave Hugging Face's
+    non-persistent buffers on meta; apply took the model for a meta one and replaced every
+    loaded weight with its init program's values, silently (audit, session 37)."""
+    executor.rng.manual_seed(SEED)
+    try:
+        real = _llama()
+        meta = build(Case("llama", meta=True))
+        meta.load_state_dict(real.state_dict(), assign=True)
+        msg = _refused(make_plan(meta, {"dp": 1}), meta)
+    finally:
+        executor.rng.deactivate()
+    assert re.search(r"model\.rotary_emb\.\w*inv_freq \(and 1 more\): on the meta device while the model's "
+                     r"other tensors hold values", msg), msg
+
+
+def ranks_refusing_apart() -> str:
+    """The PlanError each rank raises when only rank 1's model has a parameter the plan
+    lacks (rank 0's checks pass)."""
+    executor.rng.manual_seed(SEED)
+    model = build(Case("llama", {"dp": 2}))
+    plan = make_plan(model, {"dp": 2}, fsdp=True)
+    if torch.distributed.get_rank() == 1:
+        model.model.extra = nn.Linear(2, 2)
+    try:
+        executor.apply(plan, model)
+    except executor.PlanError as e:
+        return str(e)
+    finally:
+        executor.rng.deactivate()
+    return "applied"
+
+
+def test_ranks_whose_checks_pass_learn_that_another_refused() -> None:
+    """Rank 0 waited in the first rank's broadcast for rank 1, which had raised, until
+    the process group's timeout (audit, session 37)."""
+    first, second = run_on_ranks(2, ranks_refusing_apart)
+    assert first.startswith("plan: rank 1 refused it (its error names the problem); this rank's checks passed")
+    assert "model.extra.weight: in the model, not in the plan" in second, second
+
+
 def test_single_device_plan_without_process_group_is_the_plain_model() -> None:
     model = _llama()
     before = [p for p in model.parameters()]
