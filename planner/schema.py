@@ -179,12 +179,22 @@ class Prediction(_Strict):
     mfu: float = Field(ge=0)
 
 
+# How an alternative's note ends when the search's time limit came before its mesh was
+# priced (service/static/viewer.js tests for the same words).
+SKIPPED_BY_TIME_LIMIT = "skipped (time limit)"
+
+
 class Alternative(_Strict):
     mesh: dict[str, int]
     step_time_s: float | None = Field(description="None when no feasible plan exists")
     peak_memory_bytes: int | None = None
     fits: bool
     note: str = ""
+
+    @property
+    def skipped(self) -> bool:
+        """The time limit came before this mesh was priced: its ``fits`` says nothing."""
+        return self.note.endswith(SKIPPED_BY_TIME_LIMIT)
 
 
 class SolverStats(_Strict):

@@ -51,6 +51,7 @@ from planner.pipeline import (
 )
 from planner.presets import default_seq_len, load_config
 from planner.schema import (
+    SKIPPED_BY_TIME_LIMIT,
     Alternative,
     DataParallelDim,
     Fingerprint,
@@ -473,7 +474,7 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                 if fewest_fits:
                     break  # no recomputation fits at the fewest micro-batches: checkpointing cannot be faster
             if not found:
-                note = ("skipped (time limit)" if late else f"no layout found ({conflict})" if conflict
+                note = (SKIPPED_BY_TIME_LIMIT if late else f"no layout found ({conflict})" if conflict
                         else "nothing fits")
                 alternatives.append(Alternative(mesh=mesh_d, step_time_s=None, fits=False, note=f"{label}: {note}"))
                 progress(f"  {label}: {'no layout fits' if note == 'nothing fits' else note}")

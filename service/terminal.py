@@ -133,6 +133,6 @@ def render_plan(plan: Plan) -> str:
         out.append(table(["", "alternative mesh", "step time", "peak memory", "fits", "note"], [
             ("*" if a.mesh == chosen and a.step_time_s == plan.prediction.time.step_time_s else "", " x ".join(f"{k}={v}" for k, v in a.mesh.items()),
              seconds(a.step_time_s), nbytes(a.peak_memory_bytes),
-             "-" if a.note.startswith("skipped") else "yes" if a.fits else "no", a.note)  # "-": never priced
+             "-" if a.skipped else "yes" if a.fits else "no", a.note)  # "-": never priced
             for a in s.alternatives]))
     return "\n\n".join(out)

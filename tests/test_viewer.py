@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.schema import Plan
+from planner.schema import SKIPPED_BY_TIME_LIMIT, Plan
 from service.app import STATIC_DIR
 from service.process import ServerProcess
 
@@ -285,7 +285,7 @@ def test_opening_a_file_draws_a_plan_or_names_what_is_wrong(
     # a search the time limit ended says so (the Solver section read "Optimal", review)
     limited = json.loads(json.dumps(answer["plan"]))
     limited["solver"]["alternatives"].append({"mesh": {"dp": 1, "tp": 2}, "step_time_s": None, "fits": False,
-                                              "note": "skipped (time limit)"})
+                                              "note": f"dp=1xtp=2 replicate: {SKIPPED_BY_TIME_LIMIT}"})
     page = _open_file(tmp_path, "limited.json", json.dumps(limited))
     assert any(t.startswith("The time limit ended the search: 1 of ") for t in page.text), page.text
 

@@ -256,6 +256,10 @@ function timeSection(plan) {
     legendRow(parts, fmtS));
 }
 
+// A mesh the search's time limit came before: never priced, so its "fits" says nothing.
+// The planner's note is "<mesh label>: skipped (time limit)" (planner.schema.SKIPPED_BY_TIME_LIMIT).
+const skippedByTimeLimit = (a) => a.note.endsWith("skipped (time limit)");
+
 function alternativesSection(plan) {
   const chosen = meshText(Object.fromEntries(plan.mesh.dims.map((d) => [d.name, d.size])));
   const alts = plan.solver.alternatives;
@@ -266,7 +270,7 @@ function alternativesSection(plan) {
     el("tbody", {}, alts.map((a) => el("tr", { class: meshText(a.mesh) === chosen && a.step_time_s === plan.prediction.time.step_time_s ? "chosen" : "" },
       el("td", { class: "mono" }, meshText(a.mesh)), el("td", { class: "num" }, fmtS(a.step_time_s)),
       el("td", { class: "num" }, a.peak_memory_bytes === null ? "—" : fmtBytes(a.peak_memory_bytes)),
-      el("td", {}, a.note.startsWith("skipped") ? "—" : a.fits ? "yes" : "no"), el("td", {}, a.note))))));
+      el("td", {}, skippedByTimeLimit(a) ? "—" : a.fits ? "yes" : "no"), el("td", {}, a.note))))));
 }
 
 function solverSection(plan) {
@@ -275,7 +279,7 @@ function solverSection(plan) {
     ["solve time", fmtS(s.solve_time_s)], ["total planning time", fmtS(s.total_time_s)],
     ["objective", s.objective.toPrecision(6)], ["gap", s.gap === null ? "—" : s.gap]];
   const unsupported = Object.entries(s.unsupported_ops);
-  const skipped = s.alternatives.filter((a) => a.note.startsWith("skipped")).length;
+  const skipped = s.alternatives.filter(skippedByTimeLimit).length;
   return section("Solver", el("div", { class: "facts" }, facts.map(([k, v]) => el("span", {}, `${k} `, el("b", {}, v)))),
     s.notes.length ? el("ul", { id: "notes" }, s.notes.map((n) => el("li", {}, `Note: ${n}`))) : null,
     skipped ? el("p", { id: "time-limited" }, `The time limit ended the search: ${skipped} of ` +
