@@ -348,9 +348,13 @@ def load_profile(spec: str | Path | dict | Profile, allow_paths: bool = True) ->
         raise ValueError(
             f"profile: {str(spec)!r} is neither {kind}; shipped profiles: {', '.join(shipped)}"
         )
+    try:
+        data = path.read_bytes()
+    except OSError as e:  # no permission, /proc/self/mem (a traceback from the CLI before)
+        raise ValueError(f"profile: cannot read {str(spec)!r}: {e.strerror or e}") from None
     # pydantic reports malformed JSON (bytes that are not UTF-8 too) and bad values as a
     # ValidationError naming the field.
-    profile = Profile.model_validate_json(path.read_bytes())
+    profile = Profile.model_validate_json(data)
     return profile if path.parent == _shipped_dir() else _own_name(profile)
 
 

@@ -229,6 +229,8 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"],
      "virtual_stages: 2 needs a pipeline (pp > 1)"),
     (["serve", "--port", "0", "--db", "{dir}"], "--db: "),
+    # a file that cannot be read (a traceback before; audit): Linux's reads of it fail
+    (["plan", *TINY, "--profile", "/proc/self/mem"], "profile: cannot read '/proc/self/mem': Input/output error"),
     (["serve", "--port", "0", "--db", "{notadb}"], "cannot be used as an SQLite plan store"),
 ])
 def test_user_mistakes_are_one_line_and_exit_2(argv: list[str], names: str, bad_files: dict[str, str],
