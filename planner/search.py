@@ -687,6 +687,12 @@ def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
     return graph, prof, batch, seq_len, config
 
 
+def _traced(graph: nx.DiGraph, t0: float) -> str:
+    """The progress line after the trace (started at ``t0``)."""
+    return (f"traced {totals(graph)['nodes']} nodes ({graph.graph['traced_layers']} of "
+            f"{graph.graph['layers']} layers exported) in {time.perf_counter() - t0:.1f}s")
+
+
 def _config_key(config: Any) -> str:
     """The loaded config as JSON, part of the trace cache's key: a config file (or a
     directory's config.json) edited between two plans of one process is traced again."""
@@ -724,9 +730,7 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
     meshes = mesh_candidates(devices, prof, divisor, graph.graph["layers"], mesh, pipeline_blocker(graph))
     pins = _constraint_pins(constraints, graph.graph["param_shapes"],
                             {tuple(n[1:] if n[0] == "pp" and sh[0] > 1 else n) for n, sh in meshes})
-    say(f"traced {totals(graph)['nodes']} nodes ({graph.graph['traced_layers']} of "
-        f"{graph.graph['layers']} layers exported) in {time.perf_counter() - t0:.1f}s; "
-        f"searching {len(meshes)} mesh shape(s)")
+    say(f"{_traced(graph, t0)}; searching {len(meshes)} mesh shape(s)")
     found = _search(graph, prof, devices, batch, seq, meshes, divisor, time_limit_s, say, pins=pins)
     best = found.best
     if best is None and pins is not None and pins.emptied:
@@ -883,19 +887,21 @@ def _constraint_pins(constraints: Sequence[Mapping[str, Any]] | None, fqns: Iter
 def estimate(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 1, tp: int = 1,
              pp: int = 1, fsdp: bool = False, sp: bool = False, microbatches: int | None = None,
              checkpointing: str = "none", schedule: str | None = None, virtual_stages: int = 1,
-             batch_size: int | None = None, seq_len: int | None = None, require_fit: bool = True) -> Prediction:
+             batch_size: int | None = None, seq_len: int | None = None, require_fit: bool = True,
+             progress: Progress | None = None) -> Prediction:
     """Predicted step time and memory of a hand layout (TorchTitan/Megatron style);
-    ``require_fit`` as in :func:`hand_plan`."""
+    ``require_fit`` and ``progress`` as in :func:`hand_plan`."""
     return hand_plan(model, devices, profile, dp=dp, tp=tp, pp=pp, fsdp=fsdp, sp=sp,
                      microbatches=microbatches, checkpointing=checkpointing, schedule=schedule,
                      virtual_stages=virtual_stages, batch_size=batch_size, seq_len=seq_len,
-                     require_fit=require_fit).prediction
+                     require_fit=require_fit, progress=progress).prediction
 
 
 def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int = 1, tp: int = 1,
               pp: int = 1, fsdp: bool = False, sp: bool = False, microbatches: int | None = None,
               checkpointing: str = "none", schedule: str | None = None, virtual_stages: int = 1,
-              batch_size: int | None = None, seq_len: int | None = None, require_fit: bool = True) -> Plan:
+              batch_size: int | None = None, seq_len: int | None = None, require_fit: bool = True,
+              progress: Progress | None = None) -> Plan:
     """The plan of a hand layout (TorchTitan/Megatron style: projections column- then
     row-parallel on tp, norms and the residual stream sequence-parallel with ``sp``),
     with the prediction ``estimate`` reports for it.  ``schedule`` (default 1f1b) needs a
@@ -905,7 +911,8 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
     A layout that does not fit in memory raises PlanningError, unless ``require_fit`` is
     False: then it is priced with the memory bound lifted and comes back with
     ``prediction.memory.fits`` False, so that ``estimate --json`` can report what it needs.
-    ``microbatches`` defaults to ``pp``, the fewest that keep every stage busy."""
+    ``microbatches`` defaults to ``pp``, the fewest that keep every stage busy.
+    ``progress`` gets a line before and after the trace, the slow part for a large model."""
     t0 = time.perf_counter()
     microbatches = pp if microbatches is None else microbatches
     _positive_ints(devices=devices, dp=dp, tp=tp, pp=pp, microbatches=microbatches,  # dp="2" was a TypeError
@@ -929,7 +936,9 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
         raise PlanningError(f"microbatches: {microbatches} < pp={pp} leaves pipeline stages idle")
     if checkpointing not in ("none", "selective", "full"):
         raise PlanningError(f"checkpointing: expected none, selective or full, got {checkpointing!r}")
-    graph, prof, batch, seq, config = _resolve(model, devices, profile, batch_size, seq_len)
+    graph, prof, batch, seq, config = _resolve(model, devices, profile, batch_size, seq_len, progress)
+    if progress is not None:
+        progress(f"{_traced(graph, t0)}; pricing the layout")
     if batch % (dp * microbatches):
         raise PlanningError(f"batch_size: {batch} is not divisible by dp*microbatches = {dp * microbatches}")
     divisor = _feature_divisor(graph, config) if config is not None else 1

@@ -227,7 +227,8 @@ def cmd_estimate(args: argparse.Namespace) -> None:
                         fsdp=args.fsdp, sp=args.sp, microbatches=microbatches,
                         checkpointing=args.checkpointing, schedule=args.schedule,
                         virtual_stages=args.virtual_stages, batch_size=batch, seq_len=seq,
-                        require_fit=False)  # a layout that does not fit is reported, fits false
+                        require_fit=False,  # a layout that does not fit is reported, fits false
+                        progress=_progress)
     except ValueError as e:
         if args.microbatches is None and microbatches > 1 and "microbatches" in str(e):
             raise UserError(f"{e} (--microbatches defaults to --pp={args.pp}; give the count to use)") from None

@@ -76,7 +76,11 @@ def test_show_accepts_a_saved_service_response(plan_file: Path, tmp_path: Path,
 
 def test_estimate_json_has_the_promised_fields(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", *TINY, "--dp", "2", "--tp", "1", "--fsdp", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    # progress on stderr, as plan's: a large model's trace took tens of seconds in silence (audit)
+    progress = captured.err.splitlines()
+    assert progress[0] == "tracing llama-tiny ..." and progress[1].endswith("; pricing the layout"), progress
     for key in ("step_time_s", "tokens_per_s_per_device", "mfu", "peak_memory_bytes_per_device", "fits"):
         assert key in out
     assert out["step_time_s"] == out["breakdown"]["time"]["step_time_s"] > 0
