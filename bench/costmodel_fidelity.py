@@ -464,6 +464,15 @@ def comm_added(per_rank: list[dict[str, list[list[float]]]], name: str) -> list[
     return [g[3] - a[3] for g, a in zip(gloo, alone, strict=True)]
 
 
+def _ranks_mean(per_rank: list[list[list[float]]]) -> float:
+    """The median over steps of the ranks' mean step.  Where nothing syncs the ranks (a
+    step with no communication) this is what the profile's device constants, medians over
+    ranks, describe; the slowest rank adds the ranks' drift apart (bench.collective_wait:
+    5-10% after 0.3-0.4 s of compute, session 36)."""
+    return statistics.median(statistics.fmean(sum(rank[i][:3]) for rank in per_rank)
+                             for i in range(len(per_rank[0])))
+
+
 def _medians(steps: list[list[float]]) -> list[float]:
     return [statistics.median(s[i] for s in steps) for i in range(5)]
 
@@ -561,11 +570,7 @@ def _step_table(results: list[dict], priced: dict[str, planner.Plan], ran: dict[
 
     per_rank = [r["times"][LOCAL] for r in results]
     fwd, bwd, opt, step, _ = _medians(_slowest_rank(per_rank))
-    # nothing syncs these ranks, and the profile's device constants are medians over ranks:
-    # the ranks' mean is what they describe, the slowest rank adds their drift apart
-    # (bench.collective_wait: 5-10% after 0.3-0.4 s of compute, session 36)
-    mean = statistics.median(statistics.fmean(sum(rank[i][:3]) for rank in per_rank)
-                             for i in range(len(per_rank[0])))
+    mean = _ranks_mean(per_rank)
     # the same plain model on one device (no FSDP2, no DTensor), under the ranks' profile
     plain = planner.estimate(MODEL, devices=1, profile=profile, dp=1, batch_size=BATCH // WORLD,
                              seq_len=SEQ).time
@@ -594,18 +599,22 @@ def _no_comm_table(results: list[dict], predicted: dict[str, planner.Plan], prof
     print("predicted: compute + optimizer + DTensor's host time around each collective it issues "
           "(dtensor_redistribute_s x the step's DTensor collectives), which runs with the collectives "
           "off too; the model counts it as communication")
-    print(f"{'layout':<16}{'no-comm s':>10}{'predicted':>10}{'error':>8}   "
+    print("no-comm s is the slowest rank's, as every step here; mean is the ranks' mean, which nothing "
+          "syncs in these steps")
+    print(f"{'layout':<16}{'no-comm s':>10}{'mean':>7}{'predicted':>10}{'error':>8}{'vs mean':>8}   "
           f"{'gloo - no-comm':>15}{'predicted':>10}{'error':>8}   rounds' gloo - no-comm, min..max")
-    print(f"{'':<16}{'(compute and host)':>28}   {'(communication added, exposed)':>33}")
+    print(f"{'':<16}{'(compute and host)':>43}   {'(communication added, exposed)':>33}")
     for layout in LAYOUTS:
         t = predicted[layout.name].prediction.time
-        alone = _slowest_rank([r["times"][_no_comm(layout.name)] for r in results])
+        per_rank = [r["times"][_no_comm(layout.name)] for r in results]
+        alone, mean = _slowest_rank(per_rank), _ranks_mean(per_rank)
         added = comm_added([r["times"] for r in results], layout.name)
         issued = dtensor_collectives(results[0]["collectives"][layout.name])
         host = issued * profile["dtensor_redistribute_s"]
         compute = t.compute_s + t.optimizer_s + host
         step, comm = _medians(alone)[3], statistics.median(added)
-        print(f"{layout.name:<16}{step:>10.3f}{compute:>10.3f}{compute / step - 1:>+8.0%}   "
+        print(f"{layout.name:<16}{step:>10.3f}{mean:>7.3f}{compute:>10.3f}{compute / step - 1:>+8.0%}"
+              f"{compute / mean - 1:>+8.0%}   "
               f"{comm:>15.3f}{t.exposed_communication_s - host:>10.3f}"
               f"{(t.exposed_communication_s - host - comm) / max(comm, 1e-3):>+8.0%}   "
               f"{min(added):.3f}..{max(added):.3f}")
