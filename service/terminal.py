@@ -6,6 +6,7 @@ placement words match the browser viewer's.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from planner.schema import Plan, Prediction, binary_size, shard_dim
@@ -30,21 +31,29 @@ def nbytes(b: int | None) -> str:
     return "-" if b is None else binary_size(b)
 
 
-def _is_embedding(fqn: str) -> bool:
+# GPT-2's projections are transformers' Conv1D, whose weight is stored [in, out]
+_CONV1D = re.compile(r"(^|\.)c_(attn|fc|proj)\.weight$")
+
+
+def _input_dim_first(fqn: str) -> bool:
+    """Whether a 2-D weight's dim 0 is not its output features, as a Linear's is: an
+    embedding's [vocab, hidden] and GPT-2's Conv1D [in, out] (whose column-wise split, of
+    the outputs, is S(1): it read "row-sharded", audit)."""
     parts = fqn.split(".")
-    return any(p.startswith("embed") or p in ("wte", "wpe") for p in parts[:-1])
+    return any(p.startswith("embed") or p in ("wte", "wpe") for p in parts[:-1]) or bool(_CONV1D.search(fqn))
 
 
 def placement_word(plan: Plan, fqn: str, shape: list[int] | None, dim: str, placement: str) -> str:
     """Names as torch's parallel styles use them: a Linear weight [out, in] split on
-    dim 0 is column-wise, on dim 1 row-wise; an Embedding [vocab, hidden] the reverse."""
+    dim 0 is column-wise, on dim 1 row-wise; an Embedding [vocab, hidden] and GPT-2's
+    Conv1D [in, out] the reverse."""
     if plan.dp_mode(dim) == "fully_shard":  # FSDP stores a shard whatever the logical placement
         return f"fully sharded {placement}"
     d = shard_dim(placement)
     if d is None:
         return "replicated R"
     if shape is not None and len(shape) == 2 and d < 2:
-        colwise = (d == 0) != _is_embedding(fqn)
+        colwise = (d == 0) != _input_dim_first(fqn)
         return f"{'column' if colwise else 'row'}-sharded {placement}"
     return f"sharded {placement}"
 

@@ -54,6 +54,22 @@ def test_show_renders_the_essentials(plan_file: Path, capsys: pytest.CaptureFixt
         assert " x ".join(f"{k}={v}" for k, v in alt.mesh.items()) in out
 
 
+def test_show_names_gpt2s_conv1d_splits_by_their_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GPT-2's Conv1D weights are stored [in, out]: c_attn split by its outputs, S(1), read
+    "row-sharded" and c_proj's S(0) "column-sharded" (audit)."""
+    import planner
+
+    plan = planner.hand_plan("gpt2-tiny", devices=2, profile=PROFILE, tp=2, batch_size=2, seq_len=32)
+    (tmp_path / "g.json").write_text(plan.to_json())
+    assert main(["show", str(tmp_path / "g.json")]) == 0
+    words = {line.split()[0]: m[0] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("transformer.") and (m := re.search(r"(column|row)-sharded S\(\d\)", line))}
+    assert words["transformer.h.*.attn.c_attn.weight"] == "column-sharded S(1)"
+    assert words["transformer.h.*.mlp.c_fc.weight"] == "column-sharded S(1)"
+    assert words["transformer.h.*.attn.c_proj.weight"] == words["transformer.h.*.mlp.c_proj.weight"] == "row-sharded S(0)"
+    assert words["transformer.wte.weight"] == "row-sharded S(0)"  # an embedding split by vocabulary
+
+
 def test_show_leaves_fits_blank_for_meshes_never_priced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A mesh the time limit skipped read "fits: no" (review; again in session 37's audit:
     the test had written the note without the mesh label the planner puts first)."""

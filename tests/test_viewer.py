@@ -263,6 +263,20 @@ document.body.append(Object.assign(document.createElement("pre"), { id: "probe",
 """
 
 
+def test_gpt2s_conv1d_weights_are_named_by_their_output_split(tmp_path: Path) -> None:
+    """GPT-2's Conv1D weights are stored [in, out]: c_attn's and c_fc's S(1) split their
+    outputs (column-wise), c_proj's S(0) their inputs; the page had them the other way
+    round (audit)."""
+    import planner
+
+    plan = planner.hand_plan("gpt2-tiny", devices=2, profile=PROFILE, tp=2, batch_size=2, seq_len=32)
+    page = _open_file(tmp_path, "gpt2.json", plan.to_json())
+    column = [a["title"] for a in page.within("placement-table", tag="span", cls="pl-column")]
+    row = [a["title"] for a in page.within("placement-table", tag="span", cls="pl-row")]
+    assert sorted(column) == ["S(1): column-wise: dim 1 split"] * 2, column  # c_attn, c_fc
+    assert sorted(row) == ["S(0): row-wise: dim 0 split"] * 3, row  # c_proj twice, wte
+
+
 def test_opening_a_file_draws_a_plan_or_names_what_is_wrong(
         served_plan: tuple[ServerProcess, str, Plan], tmp_path: Path) -> None:
     server, plan_id, _ = served_plan

@@ -132,7 +132,9 @@ function meshSection(plan) {
 
 // ---- placements -------------------------------------------------------------
 const dpMode = (plan, dim) => (plan.data_parallel.find((d) => d.dim === dim) || {}).mode;
-const isEmbedding = (fqn) => /(^|\.)(embed[a-z_]*|wte|wpe)\./.test(fqn);
+// A 2-D weight whose dim 0 is not its output features, as a Linear's is: an embedding's
+// [vocab, hidden] and GPT-2's Conv1D [in, out] (service/terminal.py's _input_dim_first).
+const inputDimFirst = (fqn) => /(^|\.)(embed[a-z_]*|wte|wpe)\./.test(fqn) || /(^|\.)c_(attn|fc|proj)\.weight$/.test(fqn);
 
 function stagesHolding(plan, fqn) {
   // The pipeline stages whose modules hold parameter `fqn` (a pattern: `*` is one path
@@ -147,7 +149,8 @@ function stagesHolding(plan, fqn) {
 
 function placementKind(placement, fqn, shape, plan, dimName) {
   // Names as torch's parallel styles use them: a Linear weight [out, in] sharded on
-  // dim 0 is column-wise, on dim 1 row-wise; an Embedding [vocab, hidden] the reverse.
+  // dim 0 is column-wise, on dim 1 row-wise; an Embedding [vocab, hidden] and GPT-2's
+  // Conv1D [in, out] the reverse.
   // On a fully_shard data-parallel dim FSDP stores a shard whatever the logical placement.
   // On the pipeline dim a parameter is whole (R), but only on its stages' ranks.
   if (dpMode(plan, dimName) === "fully_shard") return ["fully sharded", "pl-fsdp", "fully sharded (FSDP)"];
@@ -159,7 +162,7 @@ function placementKind(placement, fqn, shape, plan, dimName) {
   if (placement === "R") return ["replicated", "pl-replicated", "replicated"];
   const d = Number(placement.slice(2, -1));
   if (shape && shape.length === 2 && d < 2) {
-    const colwise = (d === 0) !== isEmbedding(fqn);
+    const colwise = (d === 0) !== inputDimFirst(fqn);
     return colwise ? ["column-sharded", "pl-column", `column-wise: dim ${d} split`]
       : ["row-sharded", "pl-row", `row-wise: dim ${d} split`];
   }
