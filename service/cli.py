@@ -185,6 +185,13 @@ def _check_output(args: argparse.Namespace) -> None:
         raise UserError(f"-o: {path.parent} is not a directory")
     if not path.parent.is_dir():
         raise UserError(f"-o: directory {path.parent} does not exist")
+    for name in ("model", "profile"):  # plan X.json -o X.json wrote the plan over the config (audit)
+        if not isinstance(value := getattr(args, name, None), str) or not value:
+            continue
+        given = Path(value) / "config.json" if Path(value).is_dir() else Path(value)  # a model directory's
+        if path.is_file() and given.is_file() and path.samefile(given):
+            flag = "MODEL" if name == "model" else "--profile"
+            raise UserError(f"-o: {path} is the file given as {flag}; writing there would overwrite it")
     # create it: permission bits say nothing for root, or on /proc and read-only mounts
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)

@@ -196,9 +196,10 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "notadb.db").write_text("not SQLite\n" * 100)
     (tmp_path / "binary.json").write_bytes(b"\xff\xfe")
     (tmp_path / "hugeint.json").write_text('{"model_type": "llama", "hidden_size": ' + "9" * 5000 + "}")
+    (tmp_path / "llamacfg.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32}))
     return {name.removesuffix(".json").removesuffix(".db"): str(tmp_path / name)
             for name in ("bert.json", "notjson.json", "notaplan.json", "badprofile.json", "absurdprofile.json",
-                         "spoof.json", "notadb.db", "binary.json", "hugeint.json")} | {
+                         "spoof.json", "notadb.db", "binary.json", "hugeint.json", "llamacfg.json")} | {
         "missing": str(tmp_path / "missing.json"), "nodir": str(tmp_path / "no" / "such" / "p.json"),
         "shippedname": str(tmp_path / "cpu-gloo-local.json"),
         "dir": str(tmp_path)}
@@ -224,6 +225,9 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["plan", *TINY, "-o", ""], "-o: empty path"),
     (["plan", *TINY, "-o", "{dir}"], "is a directory"),
     (["calibrate", "-o", "{dir}"], "is a directory"),
+    # the plan was written over the config it was made from (audit)
+    (["plan", "{llamacfg}", "--devices", "2", "--profile", PROFILE, "-o", "{llamacfg}"],
+     "llamacfg.json is the file given as MODEL; writing there would overwrite it"),
     # calibrate measures for minutes before it writes: a path no one can create is refused
     # first, whatever its permission bits say (root may "write" /proc), and a file is no directory
     (["calibrate", "-o", "/proc/meshplan-test.json"], "-o: cannot write /proc/meshplan-test.json"),
