@@ -282,7 +282,7 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
             "rotary_emb.inv_freq): load into a model built for real")
     if mesh is None and world != plan.devices:
         where = "the process group" if dist.is_initialized() else "no process group (plain single process)"
-        problems.append(f"devices: the plan is for {plan.devices} devices, {where} has {world}")
+        problems.append(f"devices: the plan is for {plan.devices} device{'s' * (plan.devices != 1)}, {where} has {world}")
     if plan.devices > 1 and plan.mesh.device_type == "cuda" and not torch.cuda.is_available():
         problems.append("mesh.device_type: the plan is for cuda, but CUDA is not available here")
     if problem := _hf_checkpointing(model, list(model.modules()), plan):

@@ -311,9 +311,13 @@ class Plan(_Strict):
                 if pl is not None and len(pl) != ndim:
                     raise ValueError(f"modules: {m.module} has {len(pl)} placements for a {ndim}-D mesh")
         names = set(self.mesh.names)
+        listed: set[str] = set()
         for d in self.data_parallel:
             if d.dim not in names:
                 raise ValueError(f"data_parallel: unknown mesh dim {d.dim!r}")
+            if d.dim in listed:  # refused only per parameter before, as "R on fully_shard dim" (audit)
+                raise ValueError(f"data_parallel: mesh dim {d.dim!r} is listed twice")
+            listed.add(d.dim)
         if self.pipeline is not None and self.pipeline.dim not in names:
             raise ValueError(f"pipeline.dim: unknown mesh dim {self.pipeline.dim!r}")
         return self

@@ -70,6 +70,11 @@ def test_schema_validation_names_the_field(tp8_plan):
     data["devices"] = 16
     with pytest.raises(ValidationError, match="devices=16"):
         Plan.model_validate(data)
+    # refused per parameter before, as "R on fully_shard dim 'tp'", which never said why (audit)
+    data = json.loads(tp8_plan.to_json())
+    data["data_parallel"] = [{"dim": "tp", "mode": "replicate"}, {"dim": "tp", "mode": "fully_shard"}]
+    with pytest.raises(ValidationError, match="data_parallel: mesh dim 'tp' is listed twice"):
+        Plan.model_validate(data)
 
 
 def test_fingerprint_mismatches_name_the_parameter():
