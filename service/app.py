@@ -144,7 +144,8 @@ _MODEL_UNION_TAGS = ("preset", "hf_config")
 
 
 def _field(loc: tuple[Any, ...] | list[Any]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    # "[key]": pydantic's mark on a dict key's own error (mesh.DP.[key]: the key DP is wrong)
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "[key]")]
     if len(parts) > 1 and parts[0] == "model" and parts[1] in _MODEL_UNION_TAGS:
         del parts[1]
     return ".".join(parts) or "body"

@@ -286,7 +286,7 @@ def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
     ({"model": {"hf_config": {}}, "devices": 2, "profile": PROFILE}, 422, "model.hf_config.model_type: missing from the config"),
     ({**TINY, "model": {"hf_config": {}}}, 422, "model.hf_config.model_type: missing from the config"),
     ({**TINY, "mesh": {"dp": 3}}, 422, "mesh"),
-    ({**TINY, "mesh": {"DP": 2}}, 422, "mesh.DP"),
+    ({**TINY, "mesh": {"DP": 2}}, 422, "mesh.DP: String should match pattern"),  # read mesh.DP.[key]: (audit)
     ({**TINY, "time_limit_s": MAX_TIME_LIMIT_S + 1}, 422, "time_limit_s"),
     ({**TINY, "bogus": 1}, 422, "bogus: Extra inputs are not permitted"),
     ({key: v for key, v in TINY.items() if key != "devices"}, 422, "devices: Field required"),
