@@ -400,12 +400,24 @@ class Plan(_Strict):
     def fingerprint_problems(self) -> list[str]:
         """The mesh roles' problems, and each placement written for a full FQN checked
         against that parameter's shape in the plan's own fingerprint (``S(9)`` of a matrix):
-        what the schema lets through and ``apply`` would refuse, without the model."""
+        what the schema lets through and ``apply`` would refuse, without the model.  Also a
+        fingerprint parameter no entry covers and an entry that covers none (``show``
+        drew them with a shape of "?", audit); a per-layer entry covers its pattern's key
+        and the other way round."""
         roles, problems = self.mesh_roles()
+        keys = list(self.fingerprint.params)
+
+        def covers(entry: str, key: str) -> bool:
+            return pattern_matches(entry, key) or pattern_matches(key, entry)
+
+        problems += [f"{key}: no placement in the plan" for key in keys
+                     if not any(covers(p.fqn, key) for p in self.parameters)]
         for p in self.parameters:
             shape = self.fingerprint.params.get(p.fqn)
             if shape is not None:
                 problems += self.placement_problems(p.fqn, tuple(shape), p.placements, roles)
+            elif not any(covers(p.fqn, key) for key in keys):
+                problems.append(f"{p.fqn}: matches no parameter of the plan's fingerprint")
         return problems
 
 

@@ -126,6 +126,18 @@ def test_fingerprint_problems_are_apply_checks_without_a_model(mesh, modes, edit
                         "shards are only supported on fully_shard dims)"]) == (mesh[1] == ("tp", 4))
 
 
+def test_fingerprint_problems_name_what_no_entry_covers_and_entries_that_cover_nothing():
+    """``meshplan show`` drew such plans (a shape of "?") that ``apply`` refuses (audit)."""
+    data = json.loads(planner.plan("llama-tiny", 2, "h100-sxm-80g", batch_size=4, seq_len=32,
+                                   mesh={"dp": 2}).to_json())
+    assert Plan.model_validate(data).fingerprint_problems() == []
+    data["parameters"] = [p for p in data["parameters"] if p["fqn"] != "lm_head.weight"]
+    data["parameters"] += [{"fqn": "model.nope.weight", "placements": ["R"]},
+                           {"fqn": "model.layers.1.mlp.up_proj.weight", "placements": ["R"]}]  # covers a key
+    assert Plan.model_validate(data).fingerprint_problems() == [
+        "lm_head.weight: no placement in the plan", "model.nope.weight: matches no parameter of the plan's fingerprint"]
+
+
 def test_gpt2_takes_torchtitans_tensor_parallel_layout():
     """GPT-2's Conv1D output projections (addmm: bias, input, weight) had no row-parallel
     choice (the divisibility check read the bias as the input), and its 50257-token
