@@ -502,6 +502,32 @@ def pipelined(model: nn.Module, plan: Plan, cuts: Cuts, mesh: DeviceMesh,
     return model
 
 
+def _batch_problem(input_ids: torch.Tensor, labels: torch.Tensor, vocab: int) -> str | None:
+    """What one device's step would raise on this batch, found before the schedule runs.
+    Inside it only the stage that meets a bad tensor raises (the embedding's stage an id
+    outside the vocabulary, the loss's stage bad labels), and the other stages waited in
+    their send or receive until the process group's timeout (audit, session 37).  Every
+    rank holds the same global batch, so every rank finds the same problem."""
+    for name, t in (("input_ids", input_ids), ("labels", labels)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            return f"{name}: expected a [batch, sequence] tensor, got {shape}"
+    if labels.shape != input_ids.shape:
+        return f"labels: shape {list(labels.shape)} differs from input_ids' {list(input_ids.shape)}"
+    if input_ids.dtype not in (torch.int32, torch.int64):
+        return f"input_ids: expected integer token ids (int64 or int32), got {input_ids.dtype}"
+    if labels.dtype != torch.int64:
+        return f"labels: expected int64 (torch.long) token ids, as the loss takes, got {labels.dtype}"
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        bad = int(input_ids.min()) if int(input_ids.min()) < 0 else int(input_ids.max())
+        return f"input_ids: token id {bad} is outside the vocabulary (0..{vocab - 1})"
+    counted = labels[labels != -100]  # the loss's ignore_index
+    if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= vocab):
+        bad = int(counted.min()) if int(counted.min()) < 0 else int(counted.max())
+        return f"labels: token id {bad} is outside the vocabulary (0..{vocab - 1}) and is not -100 (ignored)"
+    return None
+
+
 class _Runner:
     """One pipelined training step per call of the user's model."""
 
@@ -512,6 +538,7 @@ class _Runner:
         self.same_batch, self.device = same_batch, device
         self.schedule_name, self.microbatches = plan.pipeline.schedule, plan.microbatches
         loss_function, vocab = loss.vocab_parallel(model.loss_function), model.config.vocab_size
+        self.vocab = vocab
 
         def loss_fn(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             value = loss_function(logits=out if logits is None else logits.whole(out), labels=labels,
@@ -590,6 +617,8 @@ class _Runner:
         if extra:
             raise PipelineError(f"{extra[0]}: not passed between pipeline stages; the pipelined forward "
                                 "takes input_ids= and labels= only")
+        if problem := _batch_problem(input_ids, labels, self.vocab):
+            raise BatchError(problem)
         if not torch.is_grad_enabled():
             raise PipelineError("torch.no_grad: a pipelined forward runs backward too; call it with grad enabled")
         if not self.model.training:

@@ -108,6 +108,13 @@ def train(plan_json: str, save_to: str | None = None, resume_from: str | None = 
         with pytest.raises(PipelineError) as e:
             model(input_ids=data[0], labels=data[0])
         out["frozen"] = str(e.value)
+        model.train()
+        vocab = model.config.vocab_size
+        for what, (ids, labels) in {"shape": (data[0], data[0][:, 1:]), "dtype": (data[0], data[0].int()),
+                                    "id": (torch.full_like(data[0], vocab), data[0])}.items():
+            with pytest.raises(executor.BatchError) as e:
+                model(input_ids=ids, labels=labels)
+            out[f"bad {what}"] = str(e.value)
         with pytest.raises(executor.PlanError) as e:
             model.save_pretrained(f"{save_to}-hf")
         out["save_pretrained"] = str(e.value)
@@ -393,6 +400,13 @@ def test_forward_without_labels_or_in_eval_mode_says_why(world2: dict) -> None:
     assert ranks[0][SAVER]["logits"].startswith("logits: a pipeline's training step keeps no logits")  # was None
     for r in ranks:  # was: the step set it training again, and its dropout drew
         assert r[SAVER]["frozen"].startswith("model.layers.0: in eval mode while the model trains")
+    # on every rank: only the stage meeting a bad tensor raised, the other waited in its
+    # send or receive until the process group's timeout (audit, session 37)
+    for r in ranks:
+        assert r[SAVER]["bad shape"] == f"labels: shape [{BATCH}, {SEQ - 1}] differs from input_ids' [{BATCH}, {SEQ}]"
+        assert r[SAVER]["bad dtype"] == ("labels: expected int64 (torch.long) token ids, as the loss takes, "
+                                         "got torch.int32")
+        assert r[SAVER]["bad id"].startswith("input_ids: token id ") and "is outside the vocabulary" in r[SAVER]["bad id"]
 
 
 def test_batch_rows_draw_the_global_rows_in_any_order() -> None:
