@@ -441,19 +441,24 @@ def _mark_replaced(before: dict[str, nn.Parameter], model: nn.Module) -> None:
         _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_refuse_replaced_parameters))
 
 
+def replaced_parameter_problem(p: torch.Tensor) -> str | None:
+    """Why an optimizer must not hold ``p``, where apply replaced it (``_mark_replaced``)."""
+    fqn = getattr(p, _REPLACED, None)
+    if fqn is None:
+        return None
+    return (f"optimizer: parameter {fqn} is the one executor.apply replaced with a distributed parameter, so "
+            "stepping it trains nothing; build the optimizer from the applied model's parameters, after apply")
+
+
 def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     """A global optimizer step pre-hook: refuse, at an optimizer's first step, parameters
-    apply replaced (``_mark_replaced``)."""
+    apply replaced."""
     if optimizer in _CHECKED_OPTIMIZERS:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            fqn = getattr(p, _REPLACED, None)
-            if fqn is not None:
-                raise RuntimeError(
-                    f"optimizer: parameter {fqn} is the one executor.apply replaced with a distributed "
-                    "parameter, so stepping it trains nothing; build the optimizer from the applied "
-                    "model's parameters, after apply")
+            if problem := replaced_parameter_problem(p):
+                raise RuntimeError(problem)
     _CHECKED_OPTIMIZERS.add(optimizer)
 
 

@@ -33,10 +33,12 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
 from executor import rng
+from executor.apply import replaced_parameter_problem
 
 RECORD = "meshplan-checkpoint.json"
 FORMAT_VERSION = 2  # 1 (before 2026-11-24) saved the optimizer state unflattened
@@ -122,21 +124,26 @@ def load(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
         raise CheckpointError(f"model: {meta} is on the meta device (no storage to load into); "
                               "executor.apply the model first, which materialises it")
     record = _read_record(Path(path))
-    saved_ties = {frozenset(group) for group in record.get("tied", [])}  # absent before session 21
-    for group in _tied(model) if "tied" in record else []:
-        if frozenset(group) not in saved_ties:
-            raise CheckpointError(f"model: {' and '.join(group)} are one tensor in the model but were saved "
-                                  f"as separate tensors in {path}; loading would keep one of them for both")
     if optimizer is not None and not record["optimizer"]:
         raise CheckpointError(f"optimizer: {path} was saved without optimizer state")
     with _no_grads(optimizer):
         model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [], options=_OPTIONS)
     _check_state(Path(path), "model", model_sd)
+    # after the names and shapes: another model's checkpoint was refused for its ties (audit)
+    saved_ties = {frozenset(group) for group in record.get("tied", [])}  # absent before session 21
+    for group in _tied(model) if "tied" in record else []:
+        if frozenset(group) not in saved_ties:
+            raise CheckpointError(f"model: {' and '.join(group)} are one tensor in the model but were saved "
+                                  f"as separate tensors in {path}; loading would keep one of them for both")
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         _check_state(Path(path), "optim", optim_sd)
         state["optim"] = optim_sd
-    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    try:
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    except CheckpointException as e:  # a BaseException, which `except Exception` misses; on every rank
+        raise CheckpointError(f"path: {path}: a file of the checkpoint is missing or damaged (DCP: "
+                              f"{_first_line(e)})") from None
     set_state_dict(model, optimizer if optimizer is not None else [],
                    model_state_dict=state["model"], optim_state_dict=state.get("optim", {}), options=_OPTIONS)
     if record["rng"] is not None:
@@ -157,8 +164,18 @@ def _tied(model: nn.Module) -> list[list[str]]:
 def _check_arguments(model: object, optimizer: object) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, Optimizer):
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    # torch's get_state_dict raised a bare KeyError: 0 for another model's parameters (audit)
+    held = {id(p) for p in model.parameters()}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) not in held:
+                raise CheckpointError(replaced_parameter_problem(p) or (
+                    f"optimizer: param_groups[{g}] parameter {i} (shape {list(p.shape)}) is not a parameter of "
+                    "the model; build the optimizer from model.parameters()"))
 
 
 @contextmanager
@@ -188,7 +205,11 @@ def _check_state(path: Path, section: str, held_sd: dict[str, Any]) -> None:
     A pipeline rank holds its stages' entries only, so the ranks pool what they hold
     (collective): every rank then judges the whole state and raises the same error (a
     rank that raised alone would leave the others in DCP's collectives)."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    try:
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:  # a bare FileNotFoundError or UnpicklingError before (audit)
+        raise CheckpointError(f"path: {path}: DCP's metadata is missing or damaged "
+                              f"({type(e).__name__}: {_first_line(e)})") from None
     prefix = section + "."  # the state saved is {"model": ..., "optim": ...}, flattened
     held = {key: tuple(v.shape) if hasattr(v, "shape") else None for key, v in held_sd.items()}
     if dist.is_initialized():
@@ -216,11 +237,20 @@ def _read_record(path: Path) -> dict[str, Any]:
     if not marker.is_file():
         hint = " (an interrupted save)" if path.name.endswith(".incomplete") else ""
         raise CheckpointError(f"path: {path} is not a complete meshplan checkpoint{hint}: no {RECORD}")
-    record = json.loads(marker.read_text())
-    if record.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"format: {path} has checkpoint format {record.get('format')!r}, "
-                              f"this executor reads {FORMAT_VERSION}")
+    try:
+        record = json.loads(marker.read_text())
+    except (ValueError, OSError) as e:  # a JSONDecodeError naming no file before (audit)
+        raise CheckpointError(f"path: {marker} is damaged ({e})") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT_VERSION:
+        found = record.get("format") if isinstance(record, dict) else None
+        raise CheckpointError(f"format: {path} has checkpoint format {found!r}, this executor reads {FORMAT_VERSION}")
+    if missing := [key for key in ("step", "optimizer", "rng") if key not in record]:
+        raise CheckpointError(f"path: {marker} is damaged (no {', '.join(missing)})")
     return record
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
 def _rank() -> int:

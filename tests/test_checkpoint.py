@@ -250,3 +250,43 @@ def test_an_untied_checkpoint_is_refused_by_a_tied_model(tmp_path: Path) -> None
     executor.load(tmp_path / "tied", model=untied)
     assert torch.equal(untied.lm_head.weight, tied.lm_head.weight)
     assert torch.equal(untied.model.embed_tokens.weight, tied.model.embed_tokens.weight)
+
+
+def test_a_damaged_checkpoint_or_a_foreign_optimizer_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """DCP's CheckpointException (a BaseException naming no file), pickle's, json's and a
+    bare KeyError reached the loop before, and torch's ``KeyError: 0`` for an optimizer
+    over another model's parameters (audit, session 37)."""
+    import shutil
+
+    def llama() -> torch.nn.Module:
+        return build_model(load_config(PRESETS["llama-tiny"]), device="cpu")
+
+    model = llama()
+    opt = torch.optim.AdamW(model.parameters())
+    executor.save(tmp_path / "ck", model=model, optimizer=opt, step=1)
+    damages = {
+        "shard deleted": (lambda d: next(d.glob("*.distcp")).unlink(), "a file of the checkpoint is missing or damaged"),
+        "metadata truncated": (lambda d: (d / ".metadata").write_bytes((d / ".metadata").read_bytes()[:50]),
+                               "DCP's metadata is missing or damaged"),
+        "metadata deleted": (lambda d: (d / ".metadata").unlink(), "DCP's metadata is missing or damaged"),
+        "record truncated": (lambda d: (d / RECORD).write_text((d / RECORD).read_text()[:20]), f"{RECORD} is damaged"),
+        "record without optimizer": (lambda d: (d / RECORD).write_text(json.dumps(
+            {k: v for k, v in json.loads((d / RECORD).read_text()).items() if k != "optimizer"})),
+            f"{RECORD} is damaged (no optimizer)"),
+    }
+    for name, (damage, expected) in damages.items():
+        copy = tmp_path / name.replace(" ", "-")
+        shutil.copytree(tmp_path / "ck", copy)
+        damage(copy)
+        with pytest.raises(CheckpointError) as e:
+            executor.load(copy, model=llama())
+        assert expected in str(e.value), (name, str(e.value))
+    other = torch.optim.AdamW(llama().parameters())
+    for call in (executor.save, executor.load):
+        with pytest.raises(CheckpointError, match=r"^optimizer: param_groups\[0\] parameter 0 \(shape \[128, 32\]\) "
+                                                  "is not a parameter of the model"):
+            call(tmp_path / "ck", model=model, optimizer=other)
+    # another model is named by its keys, not by the ties it lacks (was: "lm_head.weight and
+    # transformer.wte.weight are one tensor in the model but were saved as separate tensors")
+    with pytest.raises(CheckpointError, match="does not fit the model"):
+        executor.load(tmp_path / "ck", model=build_model(load_config(PRESETS["gpt2-tiny"]), device="cpu"))
