@@ -326,27 +326,33 @@ def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dic
     return Candidate(ctx, units, sol, pred, pp, stages, schedule, virtual)
 
 
+_MESH_DIMS = ("pp", "dp", "tp")  # outermost first
+
+
+def _check_mesh(mesh: Any, devices: int) -> None:
+    """A forced mesh's own problems, found before the trace (seconds for a large model)."""
+    if not isinstance(mesh, Mapping):
+        raise PlanningError(f"mesh: expected a mapping of dim name to size such as "
+                            f"{{'dp': 2, 'tp': 2}}, got {mesh!r}")
+    if not mesh:
+        raise PlanningError("mesh: empty; name at least one dim (pp, dp, tp), or leave mesh out "
+                            "to let the planner choose")
+    unknown = [n for n in mesh if n not in _MESH_DIMS]
+    if unknown:
+        raise PlanningError(f"mesh: unknown dim {unknown[0]!r} (supported: pp, dp, tp)")
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in mesh.values()):
+        raise PlanningError(f"mesh: sizes must be positive integers, got {dict(mesh)}")
+    if math.prod(mesh.values()) != devices:
+        raise PlanningError(f"mesh: {dict(mesh)} has {math.prod(mesh.values())} devices, devices={devices}")
+
+
 def mesh_candidates(devices: int, profile: Profile, divisor: int, layers: int,
                     mesh: Mapping[str, int] | None, unpipelined: str | None = None,
                     ) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
     """Named mesh shapes to try: dims ordered pp, dp, tp (tp innermost, so inside a node
     where it fits in one).
     ``unpipelined``: why the model cannot be cut into pipeline stages (no pp then)."""
-    order = ("pp", "dp", "tp")
-    if mesh is not None:
-        if not isinstance(mesh, Mapping):
-            raise PlanningError(f"mesh: expected a mapping of dim name to size such as "
-                                f"{{'dp': 2, 'tp': 2}}, got {mesh!r}")
-        if not mesh:
-            raise PlanningError("mesh: empty; name at least one dim (pp, dp, tp), or leave mesh out "
-                                "to let the planner choose")
-        unknown = [n for n in mesh if n not in order]
-        if unknown:
-            raise PlanningError(f"mesh: unknown dim {unknown[0]!r} (supported: pp, dp, tp)")
-        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in mesh.values()):
-            raise PlanningError(f"mesh: sizes must be positive integers, got {dict(mesh)}")
-        if math.prod(mesh.values()) != devices:
-            raise PlanningError(f"mesh: {dict(mesh)} has {math.prod(mesh.values())} devices, devices={devices}")
+    if mesh is not None:  # checked on its own by plan (_check_mesh), before the trace
         # pp=1 is no pipeline: kept, the search read the stages' first dim as dp and tried
         # no FSDP (review)
         mesh = {k: v for k, v in mesh.items() if not (k == "pp" and v == 1)} or {"dp": 1}
@@ -357,7 +363,7 @@ def mesh_candidates(devices: int, profile: Profile, divisor: int, layers: int,
                                 f"({unpipelined})")
         if set(mesh) == {"pp"}:  # the stages still need a data dim to plan within
             mesh = {**mesh, "dp": 1}
-        ordered = sorted(mesh, key=order.index)
+        ordered = sorted(mesh, key=_MESH_DIMS.index)
         return [(tuple(ordered), tuple(int(mesh[n]) for n in ordered))]
     node = profile.levels[0].devices or devices
     # tp beyond a node too: the cost model prices it on the outer level, and where a node
@@ -724,6 +730,8 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
     if time_limit_s is not None and (isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float))
                                      or not math.isfinite(time_limit_s) or time_limit_s <= 0):
         raise PlanningError(f"time_limit_s: must be a positive number of seconds, got {time_limit_s!r}")
+    if mesh is not None:
+        _check_mesh(mesh, devices)  # before the trace; mesh_candidates checks the rest against the model
     t0 = time.perf_counter()
     graph, prof, batch, seq, config = _resolve(model, devices, profile, batch_size, seq_len, say)
     divisor = _feature_divisor(graph, config) if config is not None else 1

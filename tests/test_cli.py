@@ -278,6 +278,13 @@ def test_a_bad_profile_is_refused_before_the_trace(command: str, capsys: pytest.
     assert err.startswith("meshplan: error: profile: 'nope' is neither") and "tracing" not in err, err
 
 
+def test_a_forced_mesh_of_the_wrong_size_is_refused_before_the_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    """It was found after the trace, seconds for a large model (audit)."""
+    assert main(["plan", "llama3-405b", "--devices", "2", "--profile", PROFILE, "--mesh", "dp=4"]) == 2
+    err = capsys.readouterr().err
+    assert err == "meshplan: error: mesh: {'dp': 4} has 4 devices, devices=2\n", err
+
+
 def test_argument_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["plan", "llama-tiny", "--profile", PROFILE], ["plan", *TINY, "--mesh", "dp=x"],
                  ["estimate", *TINY, "--dp", "2", "--tp", "1", "--checkpointing", "some"], ["bogus"]):
