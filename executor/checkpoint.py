@@ -60,12 +60,17 @@ def save(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
             step = operator.index(step)
         except TypeError:
             raise TypeError(f"step: expected an int or None, got {type(step).__name__} {step!r}") from None
-    final = Path(path)
+    final = _directory(path)
     staging = final.with_name(final.name + ".incomplete")
     retired = final.with_name(final.name + ".old")
     _check_replaceable(final, staging, retired)  # every rank: all raise, or none
     if _rank() == 0 and staging.exists():
-        shutil.rmtree(staging)  # debris of an earlier interrupted save
+        if (staging / RECORD).is_file():
+            # a save that stopped between its renames: its checkpoint is complete and the
+            # newest, which this used to delete (leaving <path>.old for good; audit)
+            _put_in_place(staging, final, retired)
+        else:
+            shutil.rmtree(staging)  # debris of an earlier interrupted save
     _barrier()
     with _no_grads(optimizer):
         model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [], options=_OPTIONS)
@@ -82,14 +87,18 @@ def save(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
             "tied": _tied(model),
         }
         (staging / RECORD).write_text(json.dumps(record, indent=2))
-        if final.exists():
-            shutil.rmtree(retired, ignore_errors=True)
-            final.rename(retired)
-            staging.rename(final)
-            shutil.rmtree(retired)
-        else:
-            staging.rename(final)
+        _put_in_place(staging, final, retired)
     _barrier()  # nobody returns before the checkpoint is visible under its name
+
+
+def _put_in_place(staging: Path, final: Path, retired: Path) -> None:
+    """A complete checkpoint (its record written) from ``staging`` to ``final``, the one
+    there before through ``retired``, removed last."""
+    if final.exists():
+        shutil.rmtree(retired, ignore_errors=True)
+        final.rename(retired)
+    staging.rename(final)
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def _ours(directory: Path) -> bool:
@@ -123,7 +132,7 @@ def load(path: str | os.PathLike, *, model: nn.Module, optimizer: Optimizer | No
     if meta is not None:
         raise CheckpointError(f"model: {meta} is on the meta device (no storage to load into); "
                               "executor.apply the model first, which materialises it")
-    record = _read_record(Path(path))
+    record = _read_record(_directory(path))
     if optimizer is not None and not record["optimizer"]:
         raise CheckpointError(f"optimizer: {path} was saved without optimizer state")
     with _no_grads(optimizer):
@@ -159,6 +168,17 @@ def _tied(model: nn.Module) -> list[list[str]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     return sorted(sorted(group) for group in names.values() if len(group) > 1)
+
+
+def _directory(path: object) -> Path:
+    """The checkpoint's directory; '' and '.' have no name to stage beside (pathlib's
+    "PosixPath('.') has an empty name" before; audit)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected a directory path, got {type(path).__name__}")
+    if not Path(path).name:
+        raise CheckpointError(f"path: {str(path)!r} names no directory of its own; give the checkpoint one, "
+                              "such as 'ckpt'")
+    return Path(path)
 
 
 def _check_arguments(model: object, optimizer: object) -> None:
@@ -236,6 +256,10 @@ def _read_record(path: Path) -> dict[str, Any]:
     marker = path / RECORD
     if not marker.is_file():
         hint = " (an interrupted save)" if path.name.endswith(".incomplete") else ""
+        staged = path.with_name(path.name + ".incomplete")
+        if (staged / RECORD).is_file():
+            hint = (f" (a save stopped between its renames: {staged} holds its complete checkpoint; load it "
+                    "from there, or the next save to this path puts it in place first)")
         raise CheckpointError(f"path: {path} is not a complete meshplan checkpoint{hint}: no {RECORD}")
     try:
         record = json.loads(marker.read_text())

@@ -147,6 +147,27 @@ def test_save_replaces_an_older_checkpoint_and_clears_debris(tmp_path: Path) -> 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_a_save_stopped_between_its_renames_keeps_its_checkpoint(tmp_path: Path) -> None:
+    """Killed after moving <path> to <path>.old and before moving <path>.incomplete (the
+    new, complete checkpoint) to <path>: load named neither, and the next save deleted
+    the newest checkpoint and left <path>.old for good (audit)."""
+    import shutil
+
+    model = build(Case("mlp"))
+    path = tmp_path / "ckpt"
+    executor.save(path, model=model, step=1)
+    executor.save(tmp_path / "newer", model=model, step=2)
+    path.rename(tmp_path / "ckpt.old")
+    shutil.copytree(tmp_path / "newer", tmp_path / "ckpt.incomplete")
+    with pytest.raises(CheckpointError, match=r"a save stopped between its renames: .*ckpt\.incomplete holds its "
+                                              "complete checkpoint"):
+        executor.load(path, model=model)
+    assert executor.load(tmp_path / "ckpt.incomplete", model=model) == 2
+    executor.save(path, model=model, step=3)
+    assert executor.load(path, model=model) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "newer"]
+
+
 def test_save_does_not_replace_what_is_not_a_checkpoint(tmp_path: Path) -> None:
     """save replaces ``path`` and clears ``<path>.incomplete`` and ``<path>.old``: it removed
     a run directory with its log standing at ``path``, and over a plain file it failed
@@ -226,6 +247,11 @@ def test_arguments_are_checked_on_every_rank_before_anything_is_written(tmp_path
         executor.save(tmp_path / "ck", model=model, step=True)
     with pytest.raises(TypeError, match=r"^model: expected a torch.nn.Module, got NoneType$"):
         executor.save(tmp_path / "ck", model=None)
+    with pytest.raises(TypeError, match=r"^path: expected a directory path, got NoneType$"):
+        executor.save(None, model=model)
+    for nameless in ("", "."):
+        with pytest.raises(CheckpointError, match=r"names no directory of its own"):
+            executor.save(nameless, model=model)
     assert not list(tmp_path.iterdir())  # nothing written
     executor.save(tmp_path / "ck", model=model, step=torch.tensor(3))
     assert json.loads((tmp_path / "ck" / RECORD).read_text())["step"] == 3
