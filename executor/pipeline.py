@@ -620,7 +620,8 @@ class _Runner:
         if problem := _batch_problem(input_ids, labels, self.vocab):
             raise BatchError(problem)
         if not torch.is_grad_enabled():
-            raise PipelineError("torch.no_grad: a pipelined forward runs backward too; call it with grad enabled")
+            mode = "torch.inference_mode" if torch.is_inference_mode_enabled() else "torch.no_grad"
+            raise PipelineError(f"{mode}: a pipelined forward runs backward too; call it with grad enabled")
         if not self.model.training:
             raise PipelineError("model.eval(): under a pipeline plan the forward runs a training step (its "
                                 "backward too), so evaluation is not supported; call model.train(), and "

@@ -109,6 +109,10 @@ def train(plan_json: str, save_to: str | None = None, resume_from: str | None = 
             model(input_ids=data[0], labels=data[0])
         out["frozen"] = str(e.value)
         model.train()
+        for name, mode in (("no_grad", torch.no_grad), ("inference_mode", torch.inference_mode)):
+            with pytest.raises(PipelineError) as e, mode():
+                model(input_ids=data[0], labels=data[0])
+            out[name] = str(e.value)
         vocab = model.config.vocab_size
         for what, (ids, labels) in {"shape": (data[0], data[0][:, 1:]), "dtype": (data[0], data[0].int()),
                                     "id": (torch.full_like(data[0], vocab), data[0])}.items():
@@ -400,6 +404,8 @@ def test_forward_without_labels_or_in_eval_mode_says_why(world2: dict) -> None:
     assert ranks[0][SAVER]["logits"].startswith("logits: a pipeline's training step keeps no logits")  # was None
     for r in ranks:  # was: the step set it training again, and its dropout drew
         assert r[SAVER]["frozen"].startswith("model.layers.0: in eval mode while the model trains")
+    assert ranks[0][SAVER]["no_grad"].startswith("torch.no_grad: a pipelined forward runs backward too")
+    assert ranks[0][SAVER]["inference_mode"].startswith("torch.inference_mode: a pipelined forward")  # said no_grad
     # on every rank: only the stage meeting a bad tensor raised, the other waited in its
     # send or receive until the process group's timeout (audit, session 37)
     for r in ranks:
