@@ -8,6 +8,7 @@ stay fast while many plans are being solved.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import sqlite3
@@ -63,6 +64,7 @@ from service.worker import (
 
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_BODY_BYTES = 1 << 20
+BODY_READ_TIMEOUT_S = 30.0  # between two pieces of a request's body
 # The viewer loads nothing from the network: only this origin's files.
 VIEWER_CSP = ("default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
               "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
@@ -100,14 +102,17 @@ class HeadAsGet:
         await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
-class BodySizeLimit:
-    """Reject request bodies over ``max_bytes`` with 413.  Starlette has no such limit
-    and uvicorn bounds only the headers, so without this a client could make the
-    server buffer and parse an arbitrarily large JSON body."""
+class BodyLimits:
+    """Reject request bodies over ``max_bytes`` with 413, and answer 408 when the body's
+    next bytes take longer than ``read_timeout_s`` to arrive.  Starlette has no such
+    limits and uvicorn bounds only the headers, so without them a client could make the
+    server buffer and parse an arbitrarily large JSON body, or hold a request open for
+    good by declaring more bytes than it sends (audit)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float = BODY_READ_TIMEOUT_S) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -117,13 +122,22 @@ class BodySizeLimit:
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
             await self._reject(scope, receive, send)
             return
-        seen = 0
+        seen, complete = 0, False
 
         async def limited() -> Message:
             # Chunked bodies carry no length: count as they arrive.  HTTPException
-            # raised here surfaces inside the route, where FastAPI turns it into a 413.
-            nonlocal seen
-            message = await receive()
+            # raised here surfaces inside the route, where FastAPI turns it into a 413
+            # (408).  Once the body is complete, receive() waits for the client's
+            # disconnect, as long as a solve runs: not timed.
+            nonlocal seen, complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except asyncio.TimeoutError:  # not the builtin before Python 3.11
+                raise HTTPException(408, f"body: no bytes for {self.read_timeout_s:g} s before its end "
+                                         "(a Content-Length larger than the body sent?)") from None
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
                 raise HTTPException(413, self._message())
@@ -262,7 +276,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
     app = FastAPI(title="meshplan", version="1.0",
                   description="Auto-parallel training plans for PyTorch models.", lifespan=lifespan,
                   docs_url=None, redoc_url=None)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimits, max_bytes=max_body_bytes)
     app.add_middleware(HeadAsGet)
 
     @app.exception_handler(RequestValidationError)

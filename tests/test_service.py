@@ -382,6 +382,47 @@ def test_oversized_bodies_are_413(server: ServerProcess) -> None:
     assert " 413 " in _raw_post(server, "Transfer-Encoding: chunked\r\n", body)
 
 
+def test_a_body_that_stops_arriving_is_408() -> None:
+    """A Content-Length larger than the body sent held the request open for good (audit).
+    The middleware alone, on a route that reads a JSON body, with a short timeout; a
+    complete body's later receive() (the wait for a disconnect during a solve) is not timed."""
+    import asyncio
+
+    from fastapi import Body, FastAPI
+
+    from service.app import BodyLimits
+
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(value: dict = Body()) -> dict:  # noqa: B008 (FastAPI's way)
+        return value
+
+    async def post(pieces: list[bytes], stall: bool) -> tuple[int, bytes]:
+        queue = [{"type": "http.request", "body": piece, "more_body": True} for piece in pieces]
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            if queue:
+                return queue.pop(0)
+            if stall:
+                await asyncio.sleep(3600)
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/echo", "raw_path": b"/echo", "query_string": b"",
+                 "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
+                 "server": ("x", 80), "client": ("y", 1), "root_path": ""}
+        await asyncio.wait_for(BodyLimits(app, max_bytes=1 << 20, read_timeout_s=0.2)(scope, receive, send), 10)
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+    status, body = asyncio.run(post([b'{"a": '], stall=True))
+    assert status == 408 and b"body: no bytes for 0.2 s before its end" in body, body
+    assert asyncio.run(post([b'{"a": ', b"1}"], stall=False)) == (200, b'{"a":1}')
+
+
 def test_unknown_ids_and_profiles_are_404(server: ServerProcess) -> None:
     status, body = server.request("GET", "/v1/plans/" + "0" * 20)
     assert status == 404 and "plan_id" in body["detail"]
