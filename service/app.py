@@ -68,15 +68,17 @@ BODY_READ_TIMEOUT_S = 30.0  # between two pieces of a request's body
 # The viewer loads nothing from the network: only this origin's files.
 VIEWER_CSP = ("default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
               "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+
+
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     """The error answers a route can give, for its OpenAPI entry (each listed all of
     them, a 413 on a GET among them; review)."""
     return {code: {"model": ErrorResponse} for code in codes}
 
 
-# a POST: a body that is not JSON or too large, a model or a plan that cannot be, busy or
-# overrunning workers, a planner failure
-_POST_ERRORS = _errors(400, 413, 422, 500, 503, 504)
+# a POST: a body that is not JSON, too large or stalled, a model or a plan that cannot be,
+# busy or overrunning workers, a planner failure
+_POST_ERRORS = _errors(400, 408, 413, 422, 500, 503, 504)
 # No pattern: an id of the wrong form is an id that is not there (404), not a 422.
 PLAN_ID = PathParam(description=f"plan id ({ID_LENGTH} hex digits)")
 
