@@ -518,13 +518,13 @@ def _batch_problem(input_ids: torch.Tensor, labels: torch.Tensor, vocab: int) ->
         return f"input_ids: expected integer token ids (int64 or int32), got {input_ids.dtype}"
     if labels.dtype != torch.int64:
         return f"labels: expected int64 (torch.long) token ids, as the loss takes, got {labels.dtype}"
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-        bad = int(input_ids.min()) if int(input_ids.min()) < 0 else int(input_ids.max())
-        return f"input_ids: token id {bad} is outside the vocabulary (0..{vocab - 1})"
-    counted = labels[labels != -100]  # the loss's ignore_index
-    if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= vocab):
-        bad = int(counted.min()) if int(counted.min()) < 0 else int(counted.max())
-        return f"labels: token id {bad} is outside the vocabulary (0..{vocab - 1}) and is not -100 (ignored)"
+    for name, ids, ignored in (("input_ids", input_ids, ""),
+                               ("labels", labels[labels != -100], " and is not -100 (ignored)")):  # the loss's ignore_index
+        if ids.numel() == 0:
+            continue
+        low, high = (int(v) for v in torch.aminmax(ids))
+        if low < 0 or high >= vocab:
+            return f"{name}: token id {low if low < 0 else high} is outside the vocabulary (0..{vocab - 1}){ignored}"
     return None
 
 
