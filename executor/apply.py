@@ -59,11 +59,18 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers import PreTrainedModel
 
-from cost_model.profile import problem_lines
 from executor import deferred_init, dtensor_rules, local_regions, loss, outputs, pipeline, rng
 from executor.accumulate import accumulate
 from executor.data import DataParallelBatch, SameBatch
-from planner.schema import Fingerprint, MeshRoles, ModuleLayout, Plan, pattern_matches, shard_dim
+from planner.schema import (
+    Fingerprint,
+    MeshRoles,
+    ModuleLayout,
+    Plan,
+    pattern_matches,
+    plan_problems,
+    shard_dim,
+)
 
 # FSDP2 only replicates as part of HSDP (a replicate dim and a shard dim).  A plan with
 # a replicate dim but no fully_shard dim gets this extra size-1 shard dim, which
@@ -113,9 +120,9 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh: expected a torch DeviceMesh (or None), got {type(mesh).__name__}")
     try:  # a plan changed in Python since it was read (pydantic checks only on construction)
-        plan = Plan.model_validate(plan.model_dump())
+        plan = Plan.model_validate(data := plan.model_dump())
     except ValidationError as e:
-        raise PlanError("plan is invalid:\n  " + "\n  ".join(f"plan: {line}" for line in problem_lines(e))) from None
+        raise PlanError("plan is invalid:\n  " + "\n  ".join(plan_problems(e, data))) from None
     if mesh is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Launched by torchrun (or any launcher that sets the env:// variables) and not
         # initialised yet: the training loop stays free of distributed set-up.  torch's

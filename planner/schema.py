@@ -14,16 +14,36 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
 
 SCHEMA_VERSION = "1.0"
 
 PLACEMENT_RE = r"^(R|P|S\((0|[1-9][0-9]*)\))$"
-Placement = Annotated[str, StringConstraints(pattern=PLACEMENT_RE)]
+
+
+def _placement(value: str) -> str:
+    # a check of our own rather than StringConstraints' pattern, whose error quotes the regex
+    # to a user who typed "S(7)x" (audit); the published schema keeps the pattern
+    if not re.fullmatch(PLACEMENT_RE, value):
+        raise ValueError(f"{value!r} is not a placement: R (replicated), P (partial sums) or S(<dim>) "
+                         "(sharded on that tensor dim)")
+    return value
+
+
+Placement = Annotated[str, AfterValidator(_placement), WithJsonSchema({"type": "string", "pattern": PLACEMENT_RE})]
 DataParallelMode = Literal["replicate", "fully_shard"]
 Checkpointing = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
@@ -266,6 +286,24 @@ class MeshRoles:
     @property
     def data(self) -> tuple[str, ...]:
         return tuple(d for d in (self.replicate, self.shard) if d)
+
+
+def plan_problems(error: ValidationError, data: object) -> list[str]:
+    """pydantic's errors on plan ``data`` as one line each, an error inside a parameter or
+    module entry led by that entry's name: ``parameters.3.placements.0`` alone leaves a
+    user counting through hundreds of entries (audit), and apply's other errors lead with
+    the FQN too."""
+    lines = []
+    for e in error.errors(include_url=False):
+        where, problem = ".".join(str(part) for part in e["loc"]), e["msg"].removeprefix("Value error, ")
+        entry = None
+        if len(e["loc"]) > 1 and e["loc"][0] in ("parameters", "modules") and isinstance(data, dict):
+            entries, i = data.get(e["loc"][0]), e["loc"][1]
+            if isinstance(entries, list) and isinstance(i, int) and isinstance(entries[i], dict):
+                entry = entries[i].get("fqn" if e["loc"][0] == "parameters" else "module")
+        lines.append(f"{entry} ({where}): {problem}" if isinstance(entry, str) else
+                     f"{where}: {problem}" if where else problem)
+    return lines
 
 
 def plan_data(data: object) -> object:

@@ -824,6 +824,17 @@ def test_parameter_without_placement() -> None:
     assert "model.norm.weight: no placement in the plan" in _refused(plan, model)
 
 
+def test_unknown_placement_is_named_by_its_parameter() -> None:
+    """It read ``plan: parameters.3.placements.0: String should match pattern '^(R|P|...'``:
+    an index into the plan and a regex (audit)."""
+    model = _llama()
+    plan = make_plan(model, {"dp": 1})
+    entry = plan.parameters[3]
+    entry.placements = ["S(7)x"]
+    assert (f"{entry.fqn} (parameters.3.placements.0): 'S(7)x' is not a placement: R (replicated), "
+            "P (partial sums) or S(<dim>)") in _refused(plan, model)
+
+
 def test_indivisible_shard() -> None:
     model = _llama()
     msg = _refused(make_plan(model, {"tp": 3}), model)
