@@ -377,6 +377,19 @@ def _own_name(profile: Profile) -> Profile:
     return profile
 
 
+ECHO_CHARS = 64
+
+
+def shown(text: str, quote: bool = False) -> str:
+    """``text`` (a name or key a user gave) as an error message echoes it: whole when
+    short, else its first ``ECHO_CHARS`` characters and its length.  Echoed whole, a
+    900 kB preset name or key made a 900 kB answer (audit)."""
+    show = repr if quote else str
+    if len(text) <= ECHO_CHARS:
+        return show(text)
+    return f"{show(text[:ECHO_CHARS])}... ({len(text)} characters)"
+
+
 def problem_lines(error: ValidationError) -> list[str]:
     """pydantic's errors as ``field.path: problem`` lines, the form docs/cost_model.md
     promises (``levels.0.busbw.all_reduce: Input should be greater than 0``).  The raw
@@ -387,6 +400,6 @@ def problem_lines(error: ValidationError) -> list[str]:
     lines = []
     for e in error.errors(include_url=False):
         problem = e["msg"].removeprefix("Value error, ")
-        where = ".".join(str(part) for part in e["loc"])
+        where = ".".join(shown(str(part)) for part in e["loc"])
         lines.append(f"{where}: {problem}" if where else problem)
     return lines

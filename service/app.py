@@ -36,6 +36,7 @@ from cost_model.profile import (
     problem_lines,
     shipped_profile,
     shipped_profiles,
+    shown,
 )
 from planner.presets import ConfigError
 from planner.schema import Plan
@@ -161,7 +162,7 @@ _MODEL_UNION_TAGS = ("preset", "hf_config")
 
 def _field(loc: tuple[Any, ...] | list[Any]) -> str:
     # "[key]": pydantic's mark on a dict key's own error (mesh.DP.[key]: the key DP is wrong)
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "[key]")]
+    parts = [shown(str(p)) for p in loc if p not in ("body", "query", "path", "[key]")]
     if len(parts) > 1 and parts[0] == "model" and parts[1] in _MODEL_UNION_TAGS:
         del parts[1]
     return ".".join(parts) or "body"
@@ -174,6 +175,20 @@ def _problem(error: dict[str, Any]) -> str:
         ctx = error["ctx"]
         return f"{'.'.join(filter(None, [_field(error['loc']), ctx['path']]))}: {ctx['problem']}"
     return f"{_field(error['loc'])}: {error['msg'].removeprefix('Value error, ')}"
+
+
+MAX_DETAIL_LINE = 1000
+
+
+def _bounded(detail: str) -> str:
+    """``detail`` with each line cut to at most about MAX_DETAIL_LINE characters, as a
+    safety net behind ``shown``: the planner's messages quote the values they refuse
+    (``model_type: '<900 kB string>' is not supported (...)``).  A line's start names the
+    field and its end most often the problem, so its middle is what goes."""
+    head, tail = 2 * MAX_DETAIL_LINE // 3, MAX_DETAIL_LINE // 3
+    return "\n".join(line if len(line) <= MAX_DETAIL_LINE
+                     else f"{line[:head]}... ({len(line) - head - tail} characters left out) ...{line[-tail:]}"
+                     for line in detail.split("\n"))
 
 
 def validation_message(errors: list[dict[str, Any]]) -> str:
@@ -199,7 +214,7 @@ def _check_profile(profile: str | dict[str, Any]) -> str:
     shipped = _shipped_profiles()
     if isinstance(profile, str):
         if profile not in shipped:
-            raise HTTPException(422, f"profile: {profile!r} is not a shipped profile "
+            raise HTTPException(422, f"profile: {shown(profile, quote=True)} is not a shipped profile "
                                      f"({', '.join(shipped)}); or send the profile inline")
         return profile
     try:
@@ -283,7 +298,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": validation_message(list(exc.errors()))}, status_code=422)
+        return JSONResponse({"detail": _bounded(validation_message(list(exc.errors())))}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)  # what FastAPI raises on an undecodable body
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -303,6 +318,8 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
             allow = ", ".join(allowed)
             return JSONResponse({"detail": f"method {request.method} not allowed on {request.url.path}; "
                                            f"allowed: {allow}"}, status_code=405, headers={"Allow": allow})
+        if isinstance(exc.detail, str):
+            exc.detail = _bounded(exc.detail)
         return await http_exception_handler(request, exc)
 
     @app.exception_handler(PlannerUnavailable)
@@ -311,7 +328,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
 
     @app.exception_handler(PlannerFailed)
     async def _failed(_request: Request, exc: PlannerFailed) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=500)
+        return JSONResponse({"detail": _bounded(str(exc))}, status_code=500)
 
     async def solve(request: PlanRequest, key: str, profile_label: str) -> StoredPlan:
         limit = request.time_limit_s
@@ -384,8 +401,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
     async def get_plan(plan_id: str = PLAN_ID) -> Response:
         row = store.get(plan_id)
         if row is None:
-            shown = repr(plan_id) if len(plan_id) <= 64 else f"{plan_id[:64]!r}... ({len(plan_id)} characters)"
-            raise HTTPException(404, f"plan_id: no plan {shown}")  # a 100 kB id was echoed whole
+            raise HTTPException(404, f"plan_id: no plan {shown(plan_id, quote=True)}")
         return _plan_response(row, 200)
 
     @app.get("/v1/profiles", response_model=ProfileList)
@@ -396,7 +412,7 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
     def get_profile(name: str) -> dict[str, Any]:
         """The profile's numbers (bandwidths, peak FLOP/s, memory)."""
         if name not in _shipped_profiles():
-            raise HTTPException(404, f"name: {name!r} is not a shipped profile "
+            raise HTTPException(404, f"name: {shown(name, quote=True)} is not a shipped profile "
                                      f"({', '.join(_shipped_profiles())})")
         return shipped_profile(name).model_dump(mode="json")
 

@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from cost_model.profile import shown
 from planner.presets import DEFAULT_SEQ_LEN_CAP, PRESETS
 from planner.search import default_shape
 from service.limits import MAX_HF_CONFIG_DEPTH, BatchSize, Devices, MeshShape, SeqLen, TimeLimit
@@ -84,7 +85,8 @@ def check_json_value(value: Any, max_depth: int) -> None:
     Iterative: a deep value must not exhaust the Python stack here either.  Raises
     PydanticCustomError JSON_VALUE_ERROR."""
     def refuse(path: tuple[str, ...], problem: str) -> PydanticCustomError:
-        return PydanticCustomError(JSON_VALUE_ERROR, "{path}: {problem}", {"path": ".".join(path), "problem": problem})
+        return PydanticCustomError(JSON_VALUE_ERROR, "{path}: {problem}",
+                                   {"path": ".".join(map(shown, path)), "problem": problem})
 
     not_text = "not Unicode text (a lone UTF-16 surrogate escape, \\ud800-\\udfff)"
     stack: list[tuple[Any, tuple[str, ...], int]] = [(value, (), 1)]
@@ -120,9 +122,9 @@ class HFConfigModel(_Request):
         refused = [k for k in value if k in _REFUSED_HF_KEYS or k.startswith("_")]
         if refused:
             why = _REFUSED_HF_KEYS.get(refused[0], "keys starting with '_' set transformers' internal state")
-            also = f" (also refused: {', '.join(refused[1:])})" if len(refused) > 1 else ""
+            also = f" (also refused: {', '.join(map(shown, refused[1:]))})" if len(refused) > 1 else ""
             raise PydanticCustomError(JSON_VALUE_ERROR, "{path}: {problem}",
-                                      {"path": refused[0], "problem": f"not accepted by the service: {why}{also}"})
+                                      {"path": shown(refused[0]), "problem": f"not accepted by the service: {why}{also}"})
         check_json_value(value, MAX_HF_CONFIG_DEPTH)
         return value
 
@@ -178,7 +180,7 @@ class PlanRequest(_Request):
     def _preset_only(cls, value: str | HFConfigModel) -> str | HFConfigModel:
         if isinstance(value, str) and value not in PRESETS:
             raise ValueError(
-                f"{value!r} is not a preset ({', '.join(PRESETS)}); send {{\"hf_config\": {{...}}}} "
+                f"{shown(value, quote=True)} is not a preset ({', '.join(PRESETS)}); send {{\"hf_config\": {{...}}}} "
                 "for another model (file paths are not accepted over HTTP)")
         return value
 

@@ -331,6 +331,31 @@ def test_bad_input_is_a_4xx_naming_the_field(server: ServerProcess, body: object
     assert names in answer["detail"], answer["detail"]
 
 
+HUGE = 900_000  # characters: a body under the 1 MiB limit
+
+
+@pytest.mark.parametrize(("body", "starts"), [
+    ({**TINY, "model": "x" * HUGE}, f"model: {'x' * 64!r}... ({HUGE} characters) is not a preset ("),
+    ({**TINY, "y" * HUGE: 1}, f"{'y' * 64}... ({HUGE} characters): Extra inputs are not permitted"),
+    ({**TINY, "profile": "z" * HUGE}, f"profile: {'z' * 64!r}... ({HUGE} characters) is not a shipped profile"),
+    ({**TINY, "mesh": {"q" * HUGE: 2}}, f"mesh.{'q' * 64}... ({HUGE} characters): String should match pattern"),
+    ({**TINY, "profile": {**_inline_profile("mine"), "k" * HUGE: 1}},
+     f"profile.{'k' * 64}... ({HUGE} characters): Extra inputs are not permitted"),
+    ({**TINY, "model": {"hf_config": {"model_type": "llama", "_" * HUGE: 1}}},
+     f"model.hf_config.{'_' * 64}... ({HUGE} characters): not accepted by the service"),
+    # the planner's own messages quote what they refuse: cut in the middle (no batch_size:
+    # the server builds the config to fill it in, so no worker is needed)
+    ({"model": {"hf_config": {"model_type": "m" * HUGE}}, "devices": 2, "profile": PROFILE},
+     "model.hf_config.model_type: 'mmm"),
+])
+def test_a_huge_name_is_echoed_as_its_start_and_length(tmp_path: Path, body: dict, starts: str) -> None:
+    """A 900 kB unknown preset, profile or key was echoed whole: a 900 kB 422 (audit)."""
+    answer = TestClient(create_app(tmp_path / "plans.db")).post("/v1/plans", json=body)
+    detail = answer.json()["detail"]
+    assert answer.status_code == 422 and detail.startswith(starts), detail[:200]
+    assert len(answer.content) < 2000 and f"{HUGE} characters" in detail or "characters left out" in detail
+
+
 @pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
 def test_a_body_not_sent_as_json_is_415(server: ServerProcess, content_type: str) -> None:
     """curl -d sends a form by default; the answer says so instead of 'Input should be a
