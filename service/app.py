@@ -50,6 +50,7 @@ from service.models import (
     PlanSummary,
     ProfileList,
     StoredPlanResponse,
+    json_type_name,
 )
 from service.store import ID_LENGTH, PlanStore, StoredPlan, default_db_path
 from service.worker import (
@@ -168,7 +169,17 @@ def _field(loc: tuple[Any, ...] | list[Any]) -> str:
     return ".".join(parts) or "body"
 
 
+# What a POST body is, for a body that is not a JSON object (FastAPI's answer to an empty
+# one was "body: Field required", which reads as a missing field named body).
+_BODY_EXPECTED = ('a JSON object such as {"model": "llama3-8b", "devices": 64, "profile": "h100-sxm-80g"} '
+                  "(its fields: /openapi.json)")
+
+
 def _problem(error: dict[str, Any]) -> str:
+    if tuple(error["loc"]) == ("body",) and error["type"] == "missing":
+        return f"body: empty; expected {_BODY_EXPECTED}"
+    if tuple(error["loc"]) == ("body",) and error["type"] == "model_attributes_type":
+        return f"body: expected {_BODY_EXPECTED}, got {json_type_name(error['input'])}"
     if error["type"] == "json_invalid":
         return f"body: invalid JSON ({error.get('ctx', {}).get('error', 'unparsable')})"
     if error["type"] == JSON_VALUE_ERROR:  # a problem inside an inline JSON value: its path

@@ -356,6 +356,21 @@ def test_a_huge_name_is_echoed_as_its_start_and_length(tmp_path: Path, body: dic
     assert len(answer.content) < 2000 and f"{HUGE} characters" in detail or "characters left out" in detail
 
 
+EXPECTED_BODY = 'a JSON object such as {"model": "llama3-8b", "devices": 64, "profile": "h100-sxm-80g"}'
+
+
+@pytest.mark.parametrize(("body", "detail"), [
+    (b"", f"body: empty; expected {EXPECTED_BODY}"),
+    (b"null", f"body: expected {EXPECTED_BODY} (its fields: /openapi.json), got null"),
+    (b"[1]", f"body: expected {EXPECTED_BODY} (its fields: /openapi.json), got array"),
+])
+def test_a_body_that_is_not_an_object_says_what_is_expected(tmp_path: Path, body: bytes, detail: str) -> None:
+    """An empty body was 'body: Field required', which reads as a missing field named body (audit)."""
+    answer = TestClient(create_app(tmp_path / "plans.db")).post(
+        "/v1/plans", content=body, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 422 and answer.json()["detail"].startswith(detail), answer.json()
+
+
 @pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
 def test_a_body_not_sent_as_json_is_415(server: ServerProcess, content_type: str) -> None:
     """curl -d sends a form by default; the answer says so instead of 'Input should be a
