@@ -67,6 +67,8 @@ from service.worker import (
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_BODY_BYTES = 1 << 20
 BODY_READ_TIMEOUT_S = 30.0  # between two pieces of a request's body
+MAX_PAGE = 1000  # plans in one page of the list
+MAX_OFFSET = 1 << 31
 # The viewer loads nothing from the network: only this origin's files.
 VIEWER_CSP = ("default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
               "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
@@ -400,8 +402,8 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
         return _plan_response(row, 201 if led else 200, not led)
 
     @app.get("/v1/plans", response_model=PlanList, responses=_errors(422))
-    async def list_plans(limit: int = Query(100, ge=1, le=1000),
-                         offset: int = Query(0, ge=0, le=1 << 31)) -> PlanList:
+    async def list_plans(limit: int = Query(100, ge=1, le=MAX_PAGE),
+                         offset: int = Query(0, ge=0, le=MAX_OFFSET)) -> PlanList:
         """Newest first."""
         # off the event loop: an OFFSET page and COUNT(*) of 200,000 plans took 1.5-3.7 s,
         # and held /healthz that long (review)
@@ -435,10 +437,16 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
     def viewer() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html", headers={"Content-Security-Policy": VIEWER_CSP})
 
-    app.get("/", include_in_schema=False)(viewer)
+    def list_page(limit: int | None = Query(None, ge=1, le=MAX_PAGE),
+                  offset: int | None = Query(None, ge=0, le=MAX_OFFSET)) -> FileResponse:
+        # The page pages through GET /v1/plans with these: checked here with its bounds, as
+        # the page quietly clamped /?limit=-5 to 1 and read /?limit=abc as its default (audit).
+        return viewer()
+
+    app.get("/", include_in_schema=False)(list_page)
     # every /plans address is the page, whose "no plan" error names what is not an id
     # (/plans/, /plans/a/b answered FastAPI's JSON 404)
-    app.get("/plans", include_in_schema=False)(viewer)
+    app.get("/plans", include_in_schema=False)(list_page)
     app.get("/plans/{plan_id:path}", include_in_schema=False)(viewer)
 
     @app.get("/favicon.ico", include_in_schema=False)

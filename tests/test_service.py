@@ -371,6 +371,22 @@ def test_a_body_that_is_not_an_object_says_what_is_expected(tmp_path: Path, body
     assert answer.status_code == 422 and answer.json()["detail"].startswith(detail), answer.json()
 
 
+@pytest.mark.parametrize("path", ["/", "/plans", "/v1/plans"])
+def test_a_list_page_refuses_a_paging_value_out_of_bounds(tmp_path: Path, path: str) -> None:
+    """The page quietly clamped /?limit=-5 to 1 and read /?limit=abc as its default
+    (audit): every list address refuses what GET /v1/plans refuses, naming the parameter."""
+    client = TestClient(create_app(tmp_path / "plans.db"))
+    for query, detail in [("limit=-5", "limit: Input should be greater than or equal to 1"),
+                          ("limit=0", "limit: Input should be greater than or equal to 1"),
+                          ("limit=abc", "limit: Input should be a valid integer"),
+                          ("limit=2.5", "limit: Input should be a valid integer"),
+                          ("limit=1001", "limit: Input should be less than or equal to 1000"),
+                          ("offset=-1", "offset: Input should be greater than or equal to 0")]:
+        answer = client.get(f"{path}?{query}")
+        assert answer.status_code == 422 and answer.json()["detail"].startswith(detail), (query, answer.text)
+    assert client.get(f"{path}?limit=7&offset=3").status_code == 200
+
+
 @pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
 def test_a_body_not_sent_as_json_is_415(server: ServerProcess, content_type: str) -> None:
     """curl -d sends a form by default; the answer says so instead of 'Input should be a
