@@ -30,6 +30,10 @@ Rate = Annotated[float, Field(ge=1e6)]
 Fraction = Annotated[float, Field(ge=1e-6, le=1)]
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+# The dtype names peak_flops may use: a misspelt one (bf61, fp9) was taken and never read,
+# so the peak it meant to give was silently missing (audit).  The planner reads fp32 and
+# bf16; the rest are the other figures a datasheet gives.
+Dtype = Literal["fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "fp4", "int8"]
 _PRINTABLE = r"^[^\x00-\x1f\x7f]+$"  # names are printed in one-line notes and tables
 
 
@@ -153,8 +157,8 @@ class Profile(_Strict):
                       description="profile name, e.g. h100-sxm-80g (calibrate: the output file's stem)")
     source: str = Field(default="", description="where the numbers come from")
     device_type: Literal["cuda", "cpu"] = Field(description="torch device type")
-    peak_flops: dict[str, Rate] = Field(
-        min_length=1, description="dense peak FLOP/s per dtype name (bf16, fp16, fp32, tf32, ...)"
+    peak_flops: dict[Dtype, Rate] = Field(
+        min_length=1, description=f"dense peak FLOP/s per dtype name ({', '.join(get_args(Dtype))})"
     )
     gemm_efficiency: list[GemmPoint] = Field(
         min_length=1,
@@ -400,6 +404,7 @@ def problem_lines(error: ValidationError) -> list[str]:
     lines = []
     for e in error.errors(include_url=False):
         problem = e["msg"].removeprefix("Value error, ")
-        where = ".".join(shown(str(part)) for part in e["loc"])
+        # "[key]": pydantic's mark on a dict key's own error (peak_flops.fp9.[key]: fp9 is wrong)
+        where = ".".join(shown(str(part)) for part in e["loc"] if part != "[key]")
         lines.append(f"{where}: {problem}" if where else problem)
     return lines

@@ -131,6 +131,9 @@ def test_unknown_profile_name_lists_shipped_names(tmp_path):
         (("kernel_floor_s",), float("inf"), "kernel_floor_s: Input should be a finite number"),
         (("levels", 0, "latency_s"), float("nan"), "levels.0.latency_s: Input should be a finite number"),
         (("peak_flops", "bf16"), float("inf"), "peak_flops.bf16: Input should be a finite number"),
+        # a misspelt dtype was taken and never read: the peak it meant to give went missing (audit)
+        (("peak_flops", "fp9"), 1e12,
+         "peak_flops.fp9: Input should be 'fp64', 'fp32', 'tf32', 'bf16', 'fp16', 'fp8', 'fp4' or 'int8'"),
         # printed raw in one-line notes, or 100 KB of it in every plan list entry (review)
         (("name",), "toy\nnote: fits", "name: String should match pattern"),
         (("name",), "x" * 256, "name: String should have at most 255 characters"),

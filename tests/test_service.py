@@ -268,6 +268,8 @@ def test_reads_are_served_while_workers_solve(server: ServerProcess) -> None:
      422, "profile.levels.0.busbw.all_reduce: must be a finite number"),
     ({**TINY, "profile": _inline_profile("mine", all_reduce=1e-300)}, 422,
      "profile.levels.0.busbw.all_reduce: Input should be greater than or equal to 1000000"),
+    ({**TINY, "profile": {**_inline_profile("mine"), "peak_flops": {"bf16": 1e15, "fp9": 1e15}}}, 422,  # was taken
+     "profile.peak_flops.fp9: Input should be 'fp64', 'fp32', 'tf32', 'bf16', 'fp16', 'fp8', 'fp4' or 'int8'"),
     ({**TINY, "profile": {**_inline_profile("mine"), "memory_bytes": True}}, 422,  # was 1 byte
      "profile.memory_bytes: Input should be a valid integer"),
     ({**TINY, "profile": {**_inline_profile("mine"), "memory_bandwidth": "3.35e12"}}, 422,
