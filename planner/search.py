@@ -758,6 +758,8 @@ def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: in
         f"{best.prediction.time.step_time_s * 1e3:.1f} ms/step ({total:.1f}s)")
     # in the plan as well, where a service client (who sees no progress lines) reads them
     notes = [heads] if heads else []
+    if (mesh or {}).get("pp") == 1:  # dropped by mesh_candidates, where a size-1 dp or tp stays: said
+        notes.append("pp=1 is no pipeline: the plan's mesh has no pp dim")
     notes += [f"{name} splits nothing in this plan: every one of its ranks runs the same work (on "
               f"{prof.name} no split of this model paid for its communication); fewer devices would do as well"
               for name in _idle_dims(best)]

@@ -206,6 +206,15 @@ def test_hf_config_inline_and_inline_profile(server: ServerProcess) -> None:
     assert labels[body["id"]].startswith("hf_config:llama (inline ") and body["plan"]["model"] == "hf_config:llama"
 
 
+def test_a_forced_pp_of_one_is_said_to_be_no_pipeline(server: ServerProcess) -> None:
+    """A size-1 dp or tp stays in the plan's mesh, a forced pp=1 leaves it (no pipeline):
+    that went unsaid, so the pp a client forced seemed lost (audit)."""
+    status, body = server.post("/v1/plans", {**TINY, "batch_size": 6, "mesh": {"pp": 1, "dp": 2}})
+    assert status in (200, 201), body
+    assert [d["name"] for d in body["plan"]["mesh"]["dims"]] == ["dp"]
+    assert "pp=1 is no pipeline: the plan's mesh has no pp dim" in body["plan"]["solver"]["notes"]
+
+
 def test_identical_concurrent_requests_solve_once(server: ServerProcess) -> None:
     request = {**TINY, "batch_size": 8}
     before = server.get("/healthz")["solves"]
