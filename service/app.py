@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import sqlite3
 import sys
 from collections.abc import AsyncIterator, Awaitable
@@ -27,6 +28,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -85,6 +87,18 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 _POST_ERRORS = _errors(400, 408, 413, 422, 500, 503, 504)
 # No pattern: an id of the wrong form is an id that is not there (404), not a 422.
 PLAN_ID = PathParam(description=f"plan id ({ID_LENGTH} hex digits)")
+_ID_FORM = re.compile(f"[0-9a-f]{{{ID_LENGTH}}}")
+
+
+class _AnyPlanId(PathConvertor):
+    """A plan id with slashes in it too (/v1/plans/a%2Fb, /v1/plans/a/b), so that it gets
+    the route's own 404 rather than the generic "Not Found"; not an empty one, so that
+    /v1/plans/ still redirects to the list."""
+
+    regex = ".+"
+
+
+register_url_convertor("any_plan_id", _AnyPlanId())
 
 
 class HeadAsGet:
@@ -410,11 +424,12 @@ def create_app(db_path: str | Path | None = None, *, workers: int = 2,
         rows, total = await run_in_threadpool(lambda: (store.list(limit, offset), store.count()))
         return PlanList(plans=[_summary(r) for r in rows], total=total)
 
-    @app.get("/v1/plans/{plan_id}", response_model=StoredPlanResponse, responses=_errors(404))
+    @app.get("/v1/plans/{plan_id:any_plan_id}", response_model=StoredPlanResponse, responses=_errors(404))
     async def get_plan(plan_id: str = PLAN_ID) -> Response:
         row = store.get(plan_id)
         if row is None:
-            raise HTTPException(404, f"plan_id: no plan {shown(plan_id, quote=True)}")
+            form = "" if _ID_FORM.fullmatch(plan_id) else f" (a plan id is {ID_LENGTH} hex digits)"
+            raise HTTPException(404, f"plan_id: no plan {shown(plan_id, quote=True)}{form}")
         return _plan_response(row, 200)
 
     @app.get("/v1/profiles", response_model=ProfileList)

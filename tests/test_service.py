@@ -496,11 +496,23 @@ def test_unknown_ids_and_profiles_are_404(server: ServerProcess) -> None:
     status, body = server.request("GET", "/v1/plans/nosuch")  # not of an id's form: still just not there
     assert status == 404 and "nosuch" in body["detail"]
     status, body = server.request("GET", "/v1/plans/" + "a" * 20000)  # echoed whole before (review)
-    assert status == 404 and body["detail"] == f"plan_id: no plan {'a' * 64!r}... (20000 characters)"
+    assert status == 404 and body["detail"] == (f"plan_id: no plan {'a' * 64!r}... (20000 characters) "
+                                                "(a plan id is 20 hex digits)")
     status, body = server.request("GET", "/v1/profiles/nope")
     assert status == 404 and "nope" in body["detail"]
     assert PROFILE in server.get("/v1/profiles")["profiles"]
     assert server.get(f"/v1/profiles/{PROFILE}")["name"] == PROFILE
+
+
+def test_an_id_not_of_a_plan_ids_form_gets_the_routes_404_saying_so(tmp_path: Path) -> None:
+    """/v1/plans/a%2Fb (a slash in it) matched no route: FastAPI's bare "Not Found" (audit)."""
+    client = TestClient(create_app(tmp_path / "plans.db"))
+    for path, shown in [("a%2Fb", "a/b"), ("a/b", "a/b"), ("xyz", "xyz"), ("0" * 19 + "g", "0" * 19 + "g")]:
+        answer = client.get(f"/v1/plans/{path}")
+        assert (answer.status_code, answer.json()["detail"]) == (
+            404, f"plan_id: no plan {shown!r} (a plan id is 20 hex digits)"), path
+    assert client.get("/v1/plans/" + "0" * 20).json()["detail"] == f"plan_id: no plan {'0' * 20!r}"
+    assert client.get("/v1/plans/").json() == {"plans": [], "total": 0}  # still the list, redirected
 
 
 def _schemathesis() -> str:
