@@ -360,6 +360,17 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    help="sequence length (default: the model's max positions, at most 4096)")
 
 
+def _version() -> str:
+    """The installed distribution's version; a source tree run without ``pip install``
+    has no metadata to read, and says so rather than guess."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"meshplan {version('meshplan')}"
+    except PackageNotFoundError:
+        return "meshplan (version unknown: not installed; pip install -e . records it)"
+
+
 def _no_checks(_args: argparse.Namespace) -> None:
     """Subcommands whose arguments need no check beyond argparse's."""
 
@@ -368,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshplan", description="Plan, estimate and view sharding plans for distributed PyTorch "
         "training, and serve them over HTTP.")
+    parser.add_argument("--version", action="version", version=_version())
     parser.set_defaults(check=_no_checks)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -383,6 +383,25 @@ def test_help_reads_well() -> None:
         assert text in " ".join(serve.split()), serve
 
 
+def test_version_is_the_installed_distributions(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """There was no ``--version``: a user filing a bug could not say which meshplan ran."""
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"meshplan {importlib.metadata.version('meshplan')}\n"
+
+    def missing(_name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError("meshplan")
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)  # a source tree never installed
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("meshplan (version unknown: not installed")
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
 def test_a_full_disk_under_stdout_is_one_line() -> None:
     """``meshplan schema > plan.json`` on a full disk gave a traceback."""
