@@ -130,6 +130,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from service.app import create_app
     from service.store import default_db_path
 
+    if args.db == "":  # Path("") is the current directory: "--db: . is a directory"
+        raise UserError("--db: empty path")
     db = Path(args.db) if args.db is not None else default_db_path()
     if args.db is not None and not db.parent.is_dir():  # a typo would start an empty store elsewhere
         raise UserError(f"--db: directory {db.parent} does not exist")
@@ -280,6 +282,8 @@ def cmd_show(args: argparse.Namespace) -> None:
     from planner.schema import Plan, plan_data
     from service.terminal import render_plan
 
+    if not args.plan:  # Path("") is the current directory: "cannot read : Is a directory" (audit)
+        raise UserError("plan: empty path")
     try:
         text = Path(args.plan).read_text()
     except OSError as e:

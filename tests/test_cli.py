@@ -213,6 +213,9 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["plan", *TINY, "-o", "{nodir}"], "-o: directory"),
     (["estimate", *TINY, "--dp", "3", "--tp", "1"], "dp"),
     (["show", "{missing}"], "plan: cannot read"),
+    # read as the current directory: "cannot read : Is a directory" (audit)
+    (["show", ""], "plan: empty path"),
+    (["serve", "--port", "0", "--db", ""], "--db: empty path"),
     (["show", "{notjson}"], "is not JSON"),
     (["show", "{notaplan}"], "Field required"),
     # were a bare codec message, and Python's advice to raise its int digits limit
