@@ -315,7 +315,7 @@ def cmd_profiles(_args: argparse.Namespace) -> None:
     load = _require("cost_model.profile", "load_profile")
     # One line per profile with the figures that decide plans; the provenance is in each
     # profile's `source` (GET /v1/profiles/{name}, or the JSON under profiles/).
-    _out(f"{'name':24} {'device':6} {'memory':>9}  {'peak':20}  network (devices @ all-reduce busbw)")
+    rows = []
     for name in shipped():
         prof = load(name)
         # the peak plans are priced at: fp32 on CPUs, bf16 on GPUs (planner.search._training_dtype)
@@ -323,10 +323,20 @@ def cmd_profiles(_args: argparse.Namespace) -> None:
         if dtype not in prof.peak_flops:
             dtype = max(prof.peak_flops, key=prof.peak_flops.get)
         peak = prof.peak_flops[dtype]
+        # a CPU's 0.07 TFLOP/s was a digit wider than a GPU's figure, and pushed its row out of line
+        unit, scale = ("TFLOP/s", 1e12) if peak >= 1e12 else ("GFLOP/s", 1e9)
         levels = ", ".join(f"{lv.name} {lv.devices or 'any'} @ {lv.busbw.all_reduce / 1e9:.3g} GB/s"
                            for lv in prof.levels)
-        _out(f"{name:24} {prof.device_type:6} {prof.memory_bytes / 2**30:5.1f} GiB "
-             f"{peak / 1e12:6.4g} TFLOP/s {dtype:5}  {levels}")
+        rows.append((name, prof.device_type, f"{prof.memory_bytes / 2**30:.1f} GiB",
+                     f"{peak / scale:.4g} {unit} {dtype:4}", levels))
+    header = ("name", "device", "memory", "peak", "network (devices @ all-reduce busbw)")
+    # widths from the cells: names, sizes and peaks of any length stay in their columns;
+    # the figures right-aligned so their units line up
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header) - 1)]
+    right = (False, False, True, True)
+    for row in (header, *rows):
+        cells = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right, strict=False)]
+        _out("  ".join([*cells, row[-1]]))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:

@@ -170,6 +170,10 @@ def test_profiles_lists_the_shipped_ones(capsys: pytest.CaptureFixture[str]) -> 
     assert all(len(row) < 160 for row in rows), "one short line per profile"
     # the peak plans are priced at: fp32 on the CPU (it showed the bf16 peak, 2.3x)
     assert all(("fp32" in row) == (row.split()[1] == "cpu") for row in rows), rows
+    # in columns: the CPU's 0.07327 TFLOP/s was a digit wider and pushed its row out (audit)
+    network = header.index("network")
+    assert all(row[network - 2:network] == "  " and row[network] != " " for row in rows), rows
+    assert len({row.index("FLOP/s") for row in rows}) == 1 and len({row.index("GiB") for row in rows}) == 1, rows
 
 
 def test_parse_mesh() -> None:
