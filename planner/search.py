@@ -432,7 +432,9 @@ def _search(graph: nx.DiGraph, profile: Profile, devices: int, batch: int, seq: 
                None if micro else f"{batch // dp} sequences per dp rank cannot keep pp={pp} stages busy")
         if why:
             alternatives.append(Alternative(mesh=mesh_d, step_time_s=None, fits=False, note=f"batch_size {why}"))
-            blocked.append(f"{why} ({_mesh_label(mesh_d)})")
+            # the mesh's label unless the reason names the whole mesh already ("3 is not
+            # divisible by dp=2 (dp=2)" for a forced dp=2, audit)
+            blocked.append(why if mesh_d == {"dp": dp} else f"{why} ({_mesh_label(mesh_d)})")
             continue
         for fsdp in fsdp_modes:
             label = f"{'x'.join(f'{k}={v}' for k, v in mesh_d.items())} {'fsdp' if fsdp else 'replicate'}"
