@@ -936,6 +936,11 @@ def hand_plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", dp: int =
         raise PlanningError(f"virtual_stages: {virtual_stages} needs a pipeline (pp > 1)")
     if virtual_stages > 1 and schedule != "interleaved-1f1b":
         raise PlanningError(f"virtual_stages: {virtual_stages} needs schedule interleaved-1f1b")
+    if schedule == "interleaved-1f1b" and virtual_stages < 2 and pp > 1:
+        # with one stage per rank there is nothing to interleave (the search pairs the schedule
+        # with 2, planner.pipeline.SCHEDULES); it was accepted and priced as interleaved (audit)
+        raise PlanningError(f"virtual_stages: interleaved-1f1b needs at least 2 stages per rank, got "
+                            f"{virtual_stages}; with one, the schedule is 1f1b")
     if given_schedule is not None and pp == 1:
         raise PlanningError(f"schedule: {given_schedule} needs a pipeline (pp > 1)")
     if fsdp and dp == 1:

@@ -432,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"],
                    help="pipeline schedule, with --pp > 1 (default: 1f1b)")
     p.add_argument("--virtual-stages", type=_positive, default=1,
-                   help="pipeline stages per rank, with --schedule interleaved-1f1b (default: %(default)s)")
+                   help="pipeline stages per rank: 2 or more with --schedule interleaved-1f1b, 1 with the "
+                   "others (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_estimate, check=_check_profile)
 

@@ -259,6 +259,11 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["estimate", *TINY, "--dp", "1", "--tp", "2", "--sp", "--seq-len", "15"], "seq_len: 15 is not divisible by tp=2"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"],
      "virtual_stages: 2 needs a pipeline (pp > 1)"),
+    # one stage per rank interleaves nothing: accepted and priced as interleaved (audit)
+    (["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "2", "--schedule", "interleaved-1f1b"],
+     "virtual_stages: interleaved-1f1b needs at least 2 stages per rank, got 1; with one, the schedule is 1f1b"),
+    (["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "2", "--schedule", "1f1b", "--virtual-stages", "2"],
+     "virtual_stages: 2 needs schedule interleaved-1f1b"),
     (["serve", "--port", "0", "--db", "{dir}"], "--db: "),
     # a file that cannot be read (a traceback before; audit): Linux's reads of it fail
     (["plan", *TINY, "--profile", "/proc/self/mem"], "profile: cannot read '/proc/self/mem': Input/output error"),

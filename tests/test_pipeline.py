@@ -533,7 +533,8 @@ def test_interleaved_micro_batches_come_in_rounds_of_pp(plans: dict[str, Plan]) 
          "virtual_stages: pp*virtual_stages=8 exceeds the model's 4 layers"),
         (5, dict(virtual_stages=2, microbatches=2), "virtual_stages: 2 does not divide the model's 5 layers"),
         (4, dict(virtual_stages=2, microbatches=3), "microbatches: 3 is not divisible by pp=2"),
-        (4, dict(virtual_stages=1, microbatches=3), "microbatches: 3 is not divisible by pp=2"),
+        # one stage per rank interleaves nothing (was accepted, audit)
+        (4, dict(virtual_stages=1, microbatches=2), "virtual_stages: interleaved-1f1b needs at least 2 stages per rank"),
     ],
 )
 def test_hand_layouts_the_executor_cannot_schedule_name_the_field(layers: int, layout: dict, message: str) -> None:
