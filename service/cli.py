@@ -450,7 +450,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("schema", help="print the plan JSON Schema")
     p.set_defaults(func=cmd_schema)
+    for p in sub.choices.values():
+        p.set_defaults(flags=_flags(p))
     return parser
+
+
+def _flags(p: argparse.ArgumentParser) -> dict[str, str]:
+    """The planner's field name -> the flag it came from (``batch_size`` -> ``--batch-size``),
+    so an error names what the user typed.  Positional arguments have no flag: ``model:``
+    keeps its name, and so do the fields of a config or profile file."""
+    flags = {a.dest: a.option_strings[0] for a in p._actions if a.option_strings and a.dest != "help"}
+    if "time_limit" in flags:
+        flags["time_limit_s"] = flags["time_limit"]  # planner.plan's argument
+    return flags
 
 
 def _one_line(e: Exception, args: argparse.Namespace) -> str:
@@ -463,7 +475,10 @@ def _one_line(e: Exception, args: argparse.Namespace) -> str:
         lines = problem_lines(e)
         return f"profile {args.profile}: {lines[0]} ({len(lines)} problem(s))"
     # The planner's ConfigError / PlanningError name the field; join any continuation lines.
-    return " ".join(str(e).split())
+    line = " ".join(str(e).split())
+    field, sep, problem = line.partition(": ")
+    flag = getattr(args, "flags", {}).get(field) if sep else None
+    return f"{flag}: {problem}" if flag else line
 
 
 def main(argv: Sequence[str] | None = None) -> int:

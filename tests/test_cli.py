@@ -213,9 +213,9 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["plan", "no-such-model", "--devices", "2", "--profile", PROFILE], "model: 'no-such-model'"),
     (["plan", "{bert}", "--devices", "2", "--profile", PROFILE], "model_type: 'bert'"),
     (["plan", *TINY[:3], "--profile", "nope"], "nope"),
-    (["plan", *TINY, "--mesh", "dp=3"], "mesh"),
+    (["plan", *TINY, "--mesh", "dp=3"], "--mesh: {'dp': 3} has 3 devices"),
     (["plan", *TINY, "-o", "{nodir}"], "-o: directory"),
-    (["estimate", *TINY, "--dp", "3", "--tp", "1"], "dp"),
+    (["estimate", *TINY, "--dp", "3", "--tp", "1"], "--devices: dp*tp*pp = 3"),
     (["show", "{missing}"], "plan: cannot read"),
     # read as the current directory: "cannot read : Is a directory" (audit)
     (["show", ""], "plan: empty path"),
@@ -240,7 +240,7 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["calibrate", "-o", "/proc/meshplan-test.json"], "-o: cannot write /proc/meshplan-test.json"),
     (["calibrate", "-o", "{notjson}/p.json"], "notjson.json is not a directory"),
     # the profile is named after the file: under a shipped name every later use refuses it
-    (["calibrate", "-o", "{shippedname}"], "would name the profile 'cpu-gloo-local', a shipped profile's name"),
+    (["calibrate", "-o", "{shippedname}"], "-o: cpu-gloo-local.json would name the profile 'cpu-gloo-local', a shipped profile's name"),
     (["plan", *TINY, "--profile", "{badprofile}"],
      "badprofile.json: levels.0.busbw.all_reduce: Input should be greater than or equal to 1000000 (1 problem(s))"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--profile", "{spoof}"],
@@ -248,25 +248,31 @@ def bad_files(tmp_path: Path) -> dict[str, str]:
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--profile", "{absurdprofile}"],
      "absurdprofile.json: levels.0.busbw.all_reduce: Input should be greater than or equal to 1000000"),
     # flags that would change nothing (were accepted, the estimate as without them)
-    (["estimate", *TINY, "--dp", "1", "--tp", "2", "--fsdp"], "fsdp: shards over the data-parallel dim, and dp is 1"),
-    (["estimate", *TINY, "--dp", "2", "--tp", "1", "--sp"], "sp: shards the sequence over the tensor-parallel dim"),
-    (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "gpipe"], "schedule: gpipe needs a pipeline (pp > 1)"),
+    (["estimate", *TINY, "--dp", "1", "--tp", "2", "--fsdp"], "--fsdp: shards over the data-parallel dim, and dp is 1"),
+    (["estimate", *TINY, "--dp", "2", "--tp", "1", "--sp"], "--sp: shards the sequence over the tensor-parallel dim"),
+    (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "gpipe"], "--schedule: gpipe needs a pipeline (pp > 1)"),
     # without a pipeline first, as docs/service.md says (it named the schedule; review)
-    (["estimate", *TINY, "--dp", "2", "--tp", "1", "--virtual-stages", "2"], "virtual_stages: 2 needs a pipeline (pp > 1)"),
+    (["estimate", *TINY, "--dp", "2", "--tp", "1", "--virtual-stages", "2"], "--virtual-stages: 2 needs a pipeline (pp > 1)"),
     # the mesh's size first (it said "microbatches: 1 < pp=64"; now pp micro-batches by default)
-    (["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "64"], "devices: dp*tp*pp = 64, but devices=2"),
+    (["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "64"], "--devices: dp*tp*pp = 64, but devices=2"),
     # blamed the model ("sequence parallelism is not available for this model")
-    (["estimate", *TINY, "--dp", "1", "--tp", "2", "--sp", "--seq-len", "15"], "seq_len: 15 is not divisible by tp=2"),
+    (["estimate", *TINY, "--dp", "1", "--tp", "2", "--sp", "--seq-len", "15"], "--seq-len: 15 is not divisible by tp=2"),
     (["estimate", *TINY, "--dp", "2", "--tp", "1", "--schedule", "interleaved-1f1b", "--virtual-stages", "2"],
-     "virtual_stages: 2 needs a pipeline (pp > 1)"),
+     "--virtual-stages: 2 needs a pipeline (pp > 1)"),
     # one stage per rank interleaves nothing: accepted and priced as interleaved (audit)
     (["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "2", "--schedule", "interleaved-1f1b"],
-     "virtual_stages: interleaved-1f1b needs at least 2 stages per rank, got 1; with one, the schedule is 1f1b"),
+     "--virtual-stages: interleaved-1f1b needs at least 2 stages per rank, got 1; with one, the schedule is 1f1b"),
     (["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "2", "--schedule", "1f1b", "--virtual-stages", "2"],
-     "virtual_stages: 2 needs schedule interleaved-1f1b"),
+     "--virtual-stages: 2 needs schedule interleaved-1f1b"),
+    # the flag typed, not the API field (it read "batch_size: ..."; audit), and a forced
+    # mesh said once (it read "... by dp=2 (dp=2)")
+    (["estimate", *TINY[:5], "--batch-size", "3", "--dp", "2", "--tp", "1"],
+     "--batch-size: 3 is not divisible by dp*microbatches = 2"),
+    (["plan", *TINY[:5], "--batch-size", "3", "--mesh", "dp=2"],
+     "--batch-size: no mesh tried can split the batch: 3 is not divisible by dp=2"),
     (["serve", "--port", "0", "--db", "{dir}"], "--db: "),
     # a file that cannot be read (a traceback before; audit): Linux's reads of it fail
-    (["plan", *TINY, "--profile", "/proc/self/mem"], "profile: cannot read '/proc/self/mem': Input/output error"),
+    (["plan", *TINY, "--profile", "/proc/self/mem"], "--profile: cannot read '/proc/self/mem': Input/output error"),
     (["serve", "--port", "0", "--db", "{notadb}"], "cannot be used as an SQLite plan store"),
 ])
 def test_user_mistakes_are_one_line_and_exit_2(argv: list[str], names: str, bad_files: dict[str, str],
@@ -287,14 +293,28 @@ def test_a_bad_profile_is_refused_before_the_trace(command: str, capsys: pytest.
     extra = ["--dp", "2", "--tp", "1"] if command == "estimate" else []
     assert main([command, "llama3-405b", "--devices", "2", "--profile", "nope", *extra]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("meshplan: error: profile: 'nope' is neither") and "tracing" not in err, err
+    assert err.startswith("meshplan: error: --profile: 'nope' is neither") and "tracing" not in err, err
+
+
+def test_errors_name_the_flag_a_field_came_from() -> None:
+    """The planner names its fields (``time_limit_s``); the CLI user typed flags (audit).
+    A config file's field, a profile file's and the positional MODEL keep their names."""
+    from planner.search import PlanningError
+    from service.cli import _one_line
+
+    args = build_parser().parse_args(["plan", *TINY])
+    for field, shown in (("time_limit_s", "--time-limit"), ("batch_size", "--batch-size"),
+                         ("hidden_size", "hidden_size"), ("profile.levels.0.busbw", "profile.levels.0.busbw"),
+                         ("model", "model")):
+        assert _one_line(PlanningError(f"{field}: the problem"), args) == f"{shown}: the problem"
+    assert _one_line(PlanningError("no field here"), args) == "no field here"
 
 
 def test_a_forced_mesh_of_the_wrong_size_is_refused_before_the_trace(capsys: pytest.CaptureFixture[str]) -> None:
     """It was found after the trace, seconds for a large model (audit)."""
     assert main(["plan", "llama3-405b", "--devices", "2", "--profile", PROFILE, "--mesh", "dp=4"]) == 2
     err = capsys.readouterr().err
-    assert err == "meshplan: error: mesh: {'dp': 4} has 4 devices, devices=2\n", err
+    assert err == "meshplan: error: --mesh: {'dp': 4} has 4 devices, devices=2\n", err
 
 
 def test_argument_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
