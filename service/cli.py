@@ -444,7 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profiles", help="list shipped hardware profiles")
     p.set_defaults(func=cmd_profiles)
 
-    p = sub.add_parser("calibrate", help="measure this machine into a profile JSON")
+    # the user should know before starting it that it takes minutes and wants the machine
+    # to itself (cost_model.calibrate: ~2 minutes on 2 cores; other load skews what it measures)
+    p = sub.add_parser(
+        "calibrate", help="measure this machine into a profile JSON (takes a few minutes)",
+        description="Measure this machine into a profile JSON: GEMMs, memory copies, op dispatch and "
+        "gloo collectives in 4 local processes. Takes a few minutes (about 2 on 2 cores) with every "
+        "core busy; run it on an otherwise idle machine, as other work changes what it measures.")
     p.add_argument("-o", "--output", required=True, help="profile JSON to write")
     p.set_defaults(func=cmd_calibrate, check=_check_output)
 

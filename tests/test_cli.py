@@ -413,6 +413,10 @@ def test_help_reads_well() -> None:
         assert text in " ".join(estimate.split()), estimate
     for text in ("(default: 127.0.0.1)", "(default: 8000)", "(default: 2)", "(default: 60.0)"):
         assert text in " ".join(serve.split()), serve
+    # it measures for minutes: the help did not say so (audit)
+    calibrate = " ".join(sub["calibrate"].format_help().split())
+    assert "Takes a few minutes (about 2 on 2 cores)" in calibrate, calibrate
+    assert "(takes a few minutes)" in " ".join(parser.format_help().split())
 
 
 def test_version_is_the_installed_distributions(monkeypatch: pytest.MonkeyPatch,
