@@ -317,7 +317,9 @@ def plan_data(data: object) -> object:
 
 
 class Plan(_Strict):
-    schema_version: Literal["1.0"] = SCHEMA_VERSION
+    # required: a plan file without it was read as 1.0 whatever format wrote it (audit);
+    # every plan the planner and service ever wrote has it
+    schema_version: Literal["1.0"] = Field(description="the plan format's version; a reader refuses others")
     model: str = Field(description="preset name, config path or model class")
     profile: str
     devices: int = Field(ge=1)

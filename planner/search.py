@@ -51,6 +51,7 @@ from planner.pipeline import (
 )
 from planner.presets import default_seq_len, load_config
 from planner.schema import (
+    SCHEMA_VERSION,
     SKIPPED_BY_TIME_LIMIT,
     Alternative,
     DataParallelDim,
@@ -829,7 +830,7 @@ def _assemble(model: Any, graph: nx.DiGraph, prof: Profile, devices: int, best: 
             for i, (st, mods) in enumerate(zip([s for _ in range(v) for s in best.stages],
                                                stage_modules(graph, best.stages, v)))])
     return Plan(
-        model=model_label(model), profile=prof.name, devices=devices, batch_size=ctx.batch_size,
+        schema_version=SCHEMA_VERSION, model=model_label(model), profile=prof.name, devices=devices, batch_size=ctx.batch_size,
         seq_len=ctx.seq_len, mesh=Mesh(dims=dims, device_type=prof.device_type), pipeline=pipeline,
         parameters=_parameters(graph, best), modules=_modules(graph, best),
         data_parallel=[DataParallelDim(dim="dp", mode="fully_shard" if ctx.fsdp else "replicate")]

@@ -191,6 +191,7 @@ def make_plan(model: Any, mesh: dict[str, int], fsdp: bool = False, sp: bool = F
     for v in mesh.values():
         devices *= v
     return s.Plan(
+        schema_version=s.SCHEMA_VERSION,
         model=type(model).__name__, profile="cpu-test", devices=devices, batch_size=batch_size,
         seq_len=seq_len, microbatches=microbatches,
         mesh=s.Mesh(dims=[s.MeshDim(name=n, size=v) for n, v in mesh.items()], device_type="cpu"),

@@ -376,6 +376,17 @@ def test_show_refuses_placements_the_shapes_cannot_take(plan_file: Path, tmp_pat
     assert not captured.out
 
 
+def test_show_refuses_a_plan_without_its_version(plan_file: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The plan format is versioned: a file without schema_version was shown as a 1.0 plan (audit)."""
+    data = json.loads(plan_file.read_text())
+    del data["schema_version"]
+    bad = tmp_path / "unversioned.json"
+    bad.write_text(json.dumps(data))
+    assert main(["show", str(bad)]) == 2
+    assert capsys.readouterr().err == f"meshplan: error: {bad}: schema_version: Field required (1 problem(s))\n"
+
+
 def test_show_names_the_field_a_plan_validator_refuses(plan_file: Path, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """A Partial parameter, refused by the plan's own validator: its field and problem, not

@@ -55,6 +55,11 @@ def test_plan_json_round_trip_and_schema(tp8_plan):
     assert json.loads(text)["schema_version"] == "1.0"
     schema = plan_json_schema()
     assert "parameters" in schema["properties"] and "fingerprint" in schema["required"]
+    # the format is versioned: a plan without its version was read as 1.0 (audit)
+    assert "schema_version" in schema["required"]
+    unversioned = {k: v for k, v in json.loads(text).items() if k != "schema_version"}
+    with pytest.raises(ValidationError, match=r"schema_version\n +Field required"):
+        Plan.from_json(json.dumps(unversioned))
     stats = tp8_plan.solver
     assert stats.variables > 0 and stats.status == "Optimal" and stats.gap == 0.0
     assert stats.alternatives and stats.alternatives[0].mesh == {"tp": 8}

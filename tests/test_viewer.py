@@ -288,7 +288,7 @@ def test_opening_a_file_draws_a_plan_or_names_what_is_wrong(
         assert page.within("mesh-grid", cls="rank") and source in page.text
     # what the schema lets a plan leave out is drawn with its defaults (the page showed the
     # browser's "Cannot read properties of undefined", review)
-    lean = {k: v for k, v in answer["plan"].items() if k not in ("schema_version", "modules", "data_parallel")}
+    lean = {k: v for k, v in answer["plan"].items() if k not in ("modules", "data_parallel")}
     lean["solver"] = {k: v for k, v in lean["solver"].items() if k not in ("alternatives", "unsupported_ops")}
     lean["prediction"]["time"] = {k: v for k, v in lean["prediction"]["time"].items()
                                   if k not in ("resharding_s", "pipeline_bubble_s", "optimizer_s")}
