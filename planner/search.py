@@ -830,8 +830,8 @@ def _assemble(model: Any, graph: nx.DiGraph, prof: Profile, devices: int, best: 
             for i, (st, mods) in enumerate(zip([s for _ in range(v) for s in best.stages],
                                                stage_modules(graph, best.stages, v)))])
     return Plan(
-        schema_version=SCHEMA_VERSION, model=model_label(model), profile=prof.name, devices=devices, batch_size=ctx.batch_size,
-        seq_len=ctx.seq_len, mesh=Mesh(dims=dims, device_type=prof.device_type), pipeline=pipeline,
+        schema_version=SCHEMA_VERSION, model=model_label(model), profile=prof.name, devices=devices,
+        batch_size=ctx.batch_size, seq_len=ctx.seq_len, mesh=Mesh(dims=dims, device_type=prof.device_type), pipeline=pipeline,
         parameters=_parameters(graph, best), modules=_modules(graph, best),
         data_parallel=[DataParallelDim(dim="dp", mode="fully_shard" if ctx.fsdp else "replicate")]
         if "dp" in ctx.mesh_names else [],

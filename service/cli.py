@@ -385,6 +385,27 @@ def _version() -> str:
         return "meshplan (version unknown: not installed; pip install -e . records it)"
 
 
+class _VersionRequested(Exception):
+    """``--version`` given: main prints it as a subcommand's output, with a closed or full
+    stdout handled as for any other (argparse's own action runs inside parse_args)."""
+
+
+class _VersionAction(argparse.Action):
+    """The metadata is read only when asked: importlib.metadata and the lookup took ~25 ms
+    off every start, ``--help`` included."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        raise _VersionRequested
+
+
+def cmd_version(_args: argparse.Namespace) -> None:
+    _out(_version())
+
+
 def _no_checks(_args: argparse.Namespace) -> None:
     """Subcommands whose arguments need no check beyond argparse's."""
 
@@ -393,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshplan", description="Plan, estimate and view sharding plans for distributed PyTorch "
         "training, and serve them over HTTP.")
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action=_VersionAction, help="print meshplan's version and exit")
     parser.set_defaults(check=_no_checks)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -472,7 +493,8 @@ def _flags(p: argparse.ArgumentParser) -> dict[str, str]:
 
 
 def _one_line(e: Exception, args: argparse.Namespace) -> str:
-    """The error as one ``field: problem`` line."""
+    """The error as one ``where: problem`` line, ``where`` the flag the value came from
+    where the planner names a field the CLI filled from one."""
     from pydantic import ValidationError
 
     if isinstance(e, ValidationError) and e.title == "Profile":  # the --profile file (or name)
@@ -489,7 +511,10 @@ def _one_line(e: Exception, args: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _VersionRequested:
+        args = argparse.Namespace(check=_no_checks, func=cmd_version)
     check: Callable[[argparse.Namespace], None] = args.check
     func: Callable[[argparse.Namespace], None] = args.func
     try:
