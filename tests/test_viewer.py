@@ -315,6 +315,9 @@ def test_opening_a_file_draws_a_plan_or_names_what_is_wrong(
     future = {**answer["plan"], "schema_version": "2.0"}
     assert error("new.json", json.dumps(future)) == (
         'new.json: schema_version: "2.0"; this viewer reads plans of schema 1.0')
+    unversioned = {k: v for k, v in answer["plan"].items() if k != "schema_version"}  # drawn as 1.0 (review)
+    assert error("old.json", json.dumps(unversioned)) == (
+        "old.json: schema_version: missing; this viewer reads plans of schema 1.0")
 
 
 def test_the_page_can_be_read_and_used_without_a_mouse(

@@ -388,7 +388,7 @@ const PLAN_FIELDS = ["model", "profile", "devices", "batch_size", "seq_len", "me
 // The schema's defaults for what a valid plan may leave out (planner.schema), so that a
 // file pydantic and the JSON Schema accept is drawn, as `meshplan show` shows it.
 function withDefaults(plan) {
-  const p = { schema_version: SCHEMA_VERSION, modules: [], data_parallel: [], pipeline: null, microbatches: 1,
+  const p = { modules: [], data_parallel: [], pipeline: null, microbatches: 1,
     activation_checkpointing: "none", ...plan };
   p.mesh = { device_type: "cuda", ...p.mesh };
   p.modules = p.modules.map((m) => ({ input: null, output: null, ...m }));
@@ -412,8 +412,9 @@ function planOfFile(data) {
     throw new Error(`not a meshplan plan: no ${missing.map((k) => JSON.stringify(k)).join(", ")} ` +
       "(open a plan written by `meshplan plan -o` or downloaded from this page)");
   }
-  if ((plan.schema_version ?? SCHEMA_VERSION) !== SCHEMA_VERSION) {
-    throw new Error(`schema_version: ${JSON.stringify(plan.schema_version)}; this viewer reads plans of ` +
+  if (plan.schema_version !== SCHEMA_VERSION) {  // required, as `meshplan show` requires it
+    const given = "schema_version" in plan ? JSON.stringify(plan.schema_version) : "missing";
+    throw new Error(`schema_version: ${given}; this viewer reads plans of ` +
       `schema ${SCHEMA_VERSION}`);
   }
   return [withDefaults(plan), answer ? data.id : undefined];
