@@ -107,9 +107,9 @@ def check(plan: Plan, model: nn.Module, dry_run: bool) -> tuple[Cuts | None, lis
     spec = plan.pipeline
     assert spec is not None  # noqa: S101 - callers only pass pipeline plans
     problems = []
-    if spec.virtual_stages > 1 and spec.schedule != "interleaved-1f1b":
+    if (spec.virtual_stages > 1) != (spec.schedule == "interleaved-1f1b"):  # one way round was accepted (review)
         problems.append(f"pipeline.virtual_stages: {spec.virtual_stages} with schedule {spec.schedule!r}; "
-                        "only interleaved-1f1b runs several stages per rank")
+                        "interleaved-1f1b runs 2 or more stages per rank, the other schedules 1")
     pp = plan.mesh.size_of(spec.dim)
     if spec.schedule == "1f1b" and plan.microbatches < pp:
         problems.append(f"microbatches: {plan.microbatches} with 1f1b on {spec.dim}={pp}; the 1F1B schedule "

@@ -504,6 +504,8 @@ def test_virtual_stages_need_the_interleaved_schedule(plans: dict[str, Plan]) ->
     plan = plans["pp2"].model_copy(deep=True)
     plan.pipeline.schedule, plan.pipeline.virtual_stages = "1f1b", 2
     assert "pipeline.virtual_stages: 2 with schedule '1f1b'" in _refused(plan)
+    plan.pipeline.schedule, plan.pipeline.virtual_stages = "interleaved-1f1b", 1  # was accepted (review)
+    assert "pipeline.virtual_stages: 1 with schedule 'interleaved-1f1b'; interleaved-1f1b runs 2" in _refused(plan)
 
 
 def test_a_loop_that_seeds_after_apply_is_told_to_seed_first(world2: dict) -> None:
