@@ -394,17 +394,31 @@ def shown(text: str, quote: bool = False) -> str:
     return f"{show(text[:ECHO_CHARS])}... ({len(text)} characters)"
 
 
-def problem_lines(error: ValidationError) -> list[str]:
+def problem_lines(error: ValidationError, data: object = None) -> list[str]:
     """pydantic's errors as ``field.path: problem`` lines, the form docs/cost_model.md
     promises (``levels.0.busbw.all_reduce: Input should be greater than 0``).  The raw
     ``str(error)`` spreads each problem over lines with a URL, which neither an HTTP
     ``detail`` nor a one-line CLI error can carry; callers prefix where the profile came
     from.  A model validator's message already names its field (``levels.1.devices: ...``),
-    so an error without a location is taken as is."""
+    so an error without a location is taken as is.  With ``data``, the input that failed,
+    an error inside an entry of a list that names itself (a plan's parameter ``fqn`` or
+    ``module``) leads with that name: ``parameters.3.placements.0`` alone left a user
+    counting through hundreds of entries (audit)."""
     lines = []
     for e in error.errors(include_url=False):
         problem = e["msg"].removeprefix("Value error, ")
         # "[key]": pydantic's mark on a dict key's own error (peak_flops.fp9.[key]: fp9 is wrong)
         where = ".".join(shown(str(part)) for part in e["loc"] if part != "[key]")
-        lines.append(f"{where}: {problem}" if where else problem)
+        name = _entry_name(data, e["loc"])
+        lines.append(f"{shown(name)} ({where}): {problem}" if name else f"{where}: {problem}" if where else problem)
     return lines
+
+
+def _entry_name(data: object, loc: tuple[int | str, ...]) -> str | None:
+    """The ``fqn`` or ``module`` of the entry ``data[loc[0]][loc[1]]``, where there is one."""
+    if len(loc) < 2 or not isinstance(data, dict) or not isinstance(loc[1], int):
+        return None
+    entries = data.get(loc[0])
+    entry = entries[loc[1]] if isinstance(entries, list) and loc[1] < len(entries) else None
+    name = entry.get("fqn", entry.get("module")) if isinstance(entry, dict) else None
+    return name if isinstance(name, str) else None

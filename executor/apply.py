@@ -59,6 +59,7 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers import PreTrainedModel
 
+from cost_model.profile import problem_lines
 from executor import deferred_init, dtensor_rules, local_regions, loss, outputs, pipeline, rng
 from executor.accumulate import accumulate
 from executor.data import DataParallelBatch, SameBatch
@@ -68,7 +69,6 @@ from planner.schema import (
     ModuleLayout,
     Plan,
     pattern_matches,
-    plan_problems,
     shard_dim,
 )
 
@@ -122,7 +122,7 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     try:  # a plan changed in Python since it was read (pydantic checks only on construction)
         plan = Plan.model_validate(data := plan.model_dump())
     except ValidationError as e:
-        raise PlanError("plan is invalid:\n  " + "\n  ".join(plan_problems(e, data))) from None
+        raise PlanError("plan is invalid:\n  " + "\n  ".join(problem_lines(e, data))) from None
     if mesh is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Launched by torchrun (or any launcher that sets the env:// variables) and not
         # initialised yet: the training loop stays free of distributed set-up.  torch's

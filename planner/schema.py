@@ -24,7 +24,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     WithJsonSchema,
     model_validator,
 )
@@ -286,24 +285,6 @@ class MeshRoles:
     @property
     def data(self) -> tuple[str, ...]:
         return tuple(d for d in (self.replicate, self.shard) if d)
-
-
-def plan_problems(error: ValidationError, data: object) -> list[str]:
-    """pydantic's errors on plan ``data`` as one line each, an error inside a parameter or
-    module entry led by that entry's name: ``parameters.3.placements.0`` alone leaves a
-    user counting through hundreds of entries (audit), and apply's other errors lead with
-    the FQN too."""
-    lines = []
-    for e in error.errors(include_url=False):
-        where, problem = ".".join(str(part) for part in e["loc"]), e["msg"].removeprefix("Value error, ")
-        entry = None
-        if len(e["loc"]) > 1 and e["loc"][0] in ("parameters", "modules") and isinstance(data, dict):
-            entries, i = data.get(e["loc"][0]), e["loc"][1]
-            if isinstance(entries, list) and isinstance(i, int) and isinstance(entries[i], dict):
-                entry = entries[i].get("fqn" if e["loc"][0] == "parameters" else "module")
-        lines.append(f"{entry} ({where}): {problem}" if isinstance(entry, str) else
-                     f"{where}: {problem}" if where else problem)
-    return lines
 
 
 def plan_data(data: object) -> object:

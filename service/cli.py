@@ -296,11 +296,11 @@ def cmd_show(args: argparse.Namespace) -> None:
     except ValueError as e:  # not JSON, or a number past Python's int digits limit (its advice cut)
         raise UserError(f"plan: {args.plan} is not JSON: {str(e).split(';')[0]}") from None
     try:
-        plan = Plan.model_validate(plan_data(data))  # a plan, or a saved service response
+        plan = Plan.model_validate(data := plan_data(data))  # a plan, or a saved service response
     except ValidationError as e:
         from cost_model.profile import problem_lines
 
-        lines = problem_lines(e)  # a model validator's message names its field itself
+        lines = problem_lines(e, data)  # a model validator's message names its field itself
         raise UserError(f"{args.plan}: {lines[0]} ({len(lines)} problem(s))") from None
     # What the schema lets through and apply would refuse (S(9) of a matrix), which the
     # view would index out of range; the plan's fingerprint has the shapes.

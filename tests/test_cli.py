@@ -376,6 +376,20 @@ def test_show_refuses_placements_the_shapes_cannot_take(plan_file: Path, tmp_pat
     assert not captured.out
 
 
+def test_show_names_a_bad_placement_by_its_parameter(plan_file: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """It read 'parameters.0.placements.0: String should match pattern ...' (audit)."""
+    data = json.loads(plan_file.read_text())
+    first = data["parameters"][0]
+    first["placements"] = ["S(0)x"] + first["placements"][1:]
+    bad = tmp_path / "typo.json"
+    bad.write_text(json.dumps(data))
+    assert main(["show", str(bad)]) == 2
+    assert capsys.readouterr().err == (f"meshplan: error: {bad}: {first['fqn']} (parameters.0.placements.0): "
+                                       "'S(0)x' is not a placement: R (replicated), P (partial sums) or S(<dim>) "
+                                       "(sharded on that tensor dim) (1 problem(s))\n")
+
+
 def test_show_refuses_a_plan_without_its_version(plan_file: Path, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """The plan format is versioned: a file without schema_version was shown as a 1.0 plan (audit)."""
