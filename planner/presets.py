@@ -36,6 +36,11 @@ _EAGER_ATTENTION = ("gemma2", "gpt_oss")
 # Model types whose modelling code reads head_dim as given: a null one is not derived
 # (Ministral's attention computes ``None ** -0.5``).
 _HEAD_DIM_GIVEN = ("ministral",)
+# Model types whose attention projects keys and values for every head from a shared
+# latent (multi-head latent attention): num_key_value_heads groups nothing there.
+_LATENT_ATTENTION = ("deepseek_v3",)
+# The number of routed experts under each model type's name for it.
+_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 class ConfigError(ValueError):
@@ -196,16 +201,29 @@ def _check(data: dict[str, Any]) -> None:
     if data.get("head_dim") is None and data["hidden_size"] % heads:
         raise ConfigError(f"{written.get('hidden_size', 'hidden_size')}: {data['hidden_size']} is not "
                           f"divisible by {written.get('num_attention_heads', 'num_attention_heads')} {heads}")
-    kv = data.get("num_key_value_heads")
+    # a key left out takes its class's default, which several classes do not derive from
+    # num_attention_heads (Helium's 20, Mistral's 8, DeepSeek-V3's 128): a tiny config
+    # that gives 4 heads otherwise failed in torch.export, naming no key
+    kv = data.get("num_key_value_heads", _default(model_type, "num_key_value_heads"))
+    if model_type in _LATENT_ATTENTION and kv is not None and kv != heads:
+        raise ConfigError(
+            f"num_key_value_heads: {kv}{_defaulted(data, model_type, 'num_key_value_heads')} must equal "
+            f"num_attention_heads {heads} in a {model_type} config (or be null): its latent attention gives "
+            f"every head its own keys and values, which transformers' attention then repeats "
+            f"num_attention_heads / num_key_value_heads times over (SDPA without a mask aside; torch.export "
+            f"passes one)")
     if kv and heads % kv:
-        raise ConfigError(f"num_key_value_heads: {kv} does not divide num_attention_heads {heads}")
-    # the experts under either name: transformers maps each to the other (attribute_map)
-    experts_key = next((k for k in ("num_local_experts", "num_experts") if k in data),
-                       "num_experts" if "num_experts" in _init_parameters(model_type) else "num_local_experts")
+        raise ConfigError(f"num_key_value_heads: {kv}{_defaulted(data, model_type, 'num_key_value_heads')} "
+                          f"does not divide num_attention_heads {heads}")
+    # the experts under any name: transformers maps each to the others (attribute_map)
+    experts_key = next((k for k in _EXPERTS_KEYS if k in data),
+                       next((k for k in _EXPERTS_KEYS if k in _init_parameters(model_type)), "num_local_experts"))
     experts, routed = (data.get(key, _default(model_type, key)) for key in (experts_key, "num_experts_per_tok"))
     if experts is not None and routed is not None and routed > experts:
         # torch.export's "k not in range for dimension" from the router's topk otherwise
-        raise ConfigError(f"num_experts_per_tok: {routed} exceeds {experts_key} {experts}")
+        raise ConfigError(f"num_experts_per_tok: {routed}{_defaulted(data, model_type, 'num_experts_per_tok')} "
+                          f"exceeds {experts_key} {experts}{_defaulted(data, model_type, experts_key)}")
+    _check_expert_groups(data, model_type, experts_key)
     pad, vocab = data.get("pad_token_id", _default(model_type, "pad_token_id")), data["vocab_size"]
     if (model_type not in _NO_PADDING_ROW and isinstance(pad, int) and not isinstance(pad, bool)
             and not -vocab <= pad < vocab):
@@ -216,6 +234,36 @@ def _check(data: dict[str, Any]) -> None:
     _check_activation(data, "activation_function" if model_type == "gpt2" else "hidden_act")
     _check_rope(data)
     _check_dtype(data)
+
+
+def _defaulted(data: dict[str, Any], model_type: str, key: str) -> str:
+    """What a message adds after a value the config left to its class's default."""
+    return "" if key in data else f" ({model_type}'s default; set it)"
+
+
+def _check_expert_groups(data: dict[str, Any], model_type: str, experts_key: str) -> None:
+    """DeepSeek-V3's router picks ``topk_group`` of ``n_group`` equal groups of experts,
+    each scored by its best two, then ``num_experts_per_tok`` experts in them; its defaults
+    are sized for 256 experts, so a small ``n_routed_experts`` with them failed in
+    torch.export (a view to ``[-1, 8, 0]``, "k not in range"), naming no key.  A model
+    whose every layer is dense (``first_k_dense_replace``) builds no router."""
+    if "n_group" not in _init_parameters(model_type):
+        return
+    value = {k: data.get(k, _default(model_type, k))
+             for k in (experts_key, "n_group", "topk_group", "first_k_dense_replace")}
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
+        return  # transformers' own type checks, or the build's, name what is wrong
+    experts, groups, chosen, dense = value.values()
+    if dense >= data["num_hidden_layers"]:
+        return
+    if groups <= 0 or experts % groups or experts // groups < 2:
+        raise ConfigError(f"n_group: {groups}{_defaulted(data, model_type, 'n_group')} must split {experts_key} "
+                          f"{experts}{_defaulted(data, model_type, experts_key)} into equal groups of at least 2 "
+                          f"experts: the router scores each group by its best two")
+    if not 0 < chosen <= groups:
+        raise ConfigError(f"topk_group: {chosen}{_defaulted(data, model_type, 'topk_group')} must be between 1 "
+                          f"and n_group {groups}{_defaulted(data, model_type, 'n_group')}: the groups the "
+                          f"router picks experts from")
 
 
 def _init_parameters(model_type: str) -> Mapping[str, inspect.Parameter]:

@@ -115,6 +115,12 @@ def test_hf_module_input():
 
 
 LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
+# Tiny configs that leave the rest to transformers' defaults, as a user's may
+HELIUM = {"model_type": "helium", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "vocab_size": 128, "intermediate_size": 128}
+DEEPSEEK = {**HELIUM, "model_type": "deepseek_v3"}
+DEEPSEEK_MOE = {**DEEPSEEK, "num_key_value_heads": 4, "first_k_dense_replace": 0, "n_routed_experts": 8,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 4}
 
 
 @pytest.mark.parametrize(
@@ -165,7 +171,8 @@ LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
         ({**LLAMA, "model_type": "qwen3_moe", "num_experts": 10**6}, "num_experts", "beyond the sanity limit 1024"),
         ({**LLAMA, "model_type": "qwen3_moe", "num_local_experts": 4, "num_experts_per_tok": 8},  # the alias
          "num_experts_per_tok", "8 exceeds num_local_experts 4"),
-        ({**LLAMA, "model_type": "mixtral", "num_experts": 1}, "num_experts_per_tok", "2 exceeds num_experts 1"),
+        ({**LLAMA, "model_type": "mixtral", "num_experts": 1}, "num_experts_per_tok",
+         "2 (mixtral's default; set it) exceeds num_experts 1"),
         # planned before, and refused only when training started (dropout) or never (a NaN norm)
         ({**LLAMA, "attention_dropout": 1.5}, "attention_dropout", "must be between 0 and 1, got 1.5"),
         ({**GPT2, "resid_pdrop": -0.1}, "resid_pdrop", "must be between 0 and 1, got -0.1"),
@@ -178,6 +185,21 @@ LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
          "layer_types", "missing from an exaone4 config whose sliding_window is null"),
         ({**LLAMA, "model_type": "exaone4", "sliding_window": 8, "sliding_window_pattern": 0},
          "sliding_window_pattern", "transformers fails on it (ZeroDivisionError: integer modulo by zero)"),
+        # a key left to a default sized for the full model: torch.export's broadcast or
+        # view error before, which the service reported against model.hf_config whole
+        (HELIUM, "num_key_value_heads", "20 (helium's default; set it) does not divide num_attention_heads 4"),
+        ({**HELIUM, "model_type": "mistral"}, "num_key_value_heads", "8 (mistral's default; set it) does not"),
+        (DEEPSEEK, "num_key_value_heads", "128 (deepseek_v3's default; set it) must equal num_attention_heads 4"),
+        # eager transformers runs this only without a mask, where SDPA's enable_gqa hides it
+        ({**DEEPSEEK, "num_key_value_heads": 2, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 8},
+         "num_key_value_heads", "2 must equal num_attention_heads 4 in a deepseek_v3 config (or be null)"),
+        ({**{k: v for k, v in DEEPSEEK_MOE.items() if k != "num_experts_per_tok"}, "n_routed_experts": 4},
+         "num_experts_per_tok", "8 (deepseek_v3's default; set it) exceeds n_routed_experts 4"),
+        ({k: v for k, v in DEEPSEEK_MOE.items() if k != "n_group"}, "n_group",
+         "8 (deepseek_v3's default; set it) must split n_routed_experts 8 into equal groups of at least 2"),
+        ({**DEEPSEEK_MOE, "n_routed_experts": 6}, "n_group", "4 must split n_routed_experts 6 into equal groups"),
+        ({**DEEPSEEK_MOE, "n_group": 2}, "topk_group",
+         "4 (deepseek_v3's default; set it) must be between 1 and n_group 2"),
     ],
 )
 def test_bad_configs_give_one_line_errors(config, field, says):
@@ -186,6 +208,15 @@ def test_bad_configs_give_one_line_errors(config, field, says):
     msg = str(err.value)
     assert msg.startswith(f"{field}: ") and "\n" not in msg
     assert says in msg
+
+
+def test_deepseek_v3_routing_defaults_trace_where_they_fit() -> None:
+    """The routing checks refuse only what fails: 8 experts in 4 groups of 2 (its default
+    topk_group of 4), or the default 8 groups of 256 experts' where no layer routes."""
+    assert trace(DEEPSEEK_MOE, 1, 16).graph["layers"] == 2
+    dense = {**DEEPSEEK, "num_key_value_heads": None, "n_routed_experts": 4, "num_experts_per_tok": 2,
+             "first_k_dense_replace": 2}
+    assert trace(dense, 1, 16).graph["layers"] == 2
 
 
 def test_null_key_value_heads_mean_as_many_as_attention_heads():
