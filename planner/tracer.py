@@ -523,6 +523,20 @@ def _aliases(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def _layer_kinds(model: nn.Module, prefix: str) -> set[tuple]:
+    """The distinct layers of ``model`` by their parameters' relative names and shapes.
+    The traced layers can look alike where the real ones do not: DeepSeek-V3's first
+    ``first_k_dense_replace`` layers (3 by default) are dense and the rest MoE, so its two
+    traced layers were both dense and stood for every layer, experts lost from the graph
+    (Qwen2-MoE's ``mlp_only_layers`` likewise)."""
+    layers: dict[int, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
+    for name, p in model.named_parameters():
+        m = _LAYER_RE.match(name)
+        if m and m["prefix"] == prefix:
+            layers[int(m["idx"])].append((name[m.end():], tuple(p.shape)))
+    return {tuple(params) for params in layers.values()}
+
+
 def layer_signature(graph: nx.DiGraph, layer: int, prefix: str) -> tuple:
     """Ops, shapes and relative module paths of one layer, in graph order."""
     base = f"{prefix}.{layer}"
@@ -579,7 +593,7 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
     traced = len({d["layer"] for _, d in graph.nodes(data=True) if d["layer"] is not None})
     if prefix and layers and layers > traced and traced >= 2:
         sigs = {layer_signature(graph, i, prefix) for i in range(traced)}
-        if len(sigs) != 1:  # layers differ: export the whole model instead
+        if len(sigs) != 1 or len(_layer_kinds(full, prefix)) != 1:  # layers differ: export them all
             graph = build_graph(_export(full, batch_size, seq_len), causal_lm, _aliases(full))
             traced = layers
     if causal_lm and not isinstance(model, nn.Module):

@@ -219,6 +219,17 @@ def test_deepseek_v3_routing_defaults_trace_where_they_fit() -> None:
     assert trace(dense, 1, 16).graph["layers"] == 2
 
 
+def test_layers_that_differ_beyond_the_traced_ones_are_all_exported() -> None:
+    """DeepSeek-V3's first ``first_k_dense_replace`` layers are dense (3 by default): its
+    two traced layers matched, both dense, and stood for all four, the MoE layer's
+    experts and router missing from the graph."""
+    config = {**DEEPSEEK_MOE, "num_hidden_layers": 4, "first_k_dense_replace": 3}
+    g = trace(config, 1, 16)
+    assert g.graph["traced_layers"] == 4
+    routed = {d["layer"] for _, d in g.nodes(data=True) if d.get("short") == "grouped_mm"}
+    assert routed == {3}
+
+
 def test_null_key_value_heads_mean_as_many_as_attention_heads():
     """Hugging Face derives a null num_key_value_heads (and head_dim): not a mistake."""
     config = load_config({**LLAMA, "num_key_value_heads": None, "head_dim": None})
