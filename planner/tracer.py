@@ -4,7 +4,8 @@ Why only a few layers are exported: a decoder's layers are the same subgraph up 
 names, so exporting ``TRACED_LAYERS`` of them, checking that they really are equal
 (the per-layer signature of ops, shapes and relative module paths), and recording
 how many the real model has keeps tracing time flat in depth (llama3-405b traces as
-fast as llama3-8b).  When the traced layers differ, the whole model is exported
+fast as llama3-8b).  When the traced layers differ, or the real model's layers differ in
+their parameters (DeepSeek-V3's dense first layers), the whole model is exported
 instead, so the shortcut never silently misdescribes a model.
 
 Node attributes (every call_function node):
