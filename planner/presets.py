@@ -36,6 +36,10 @@ _EAGER_ATTENTION = ("gemma2", "gpt_oss")
 # Model types whose modelling code reads head_dim as given: a null one is not derived
 # (Ministral's attention computes ``None ** -0.5``).
 _HEAD_DIM_GIVEN = ("ministral",)
+# Model types whose attention output projection takes hidden_size features (not
+# num_attention_heads x head_dim), so the two must be equal; Helium's head_dim defaults to
+# 128 rather than being derived, which a tiny config's hidden_size does not match.
+_HEADS_SPAN_HIDDEN = ("helium",)
 # Model types whose attention projects keys and values for every head from a shared
 # latent (multi-head latent attention): num_key_value_heads groups nothing there.
 _LATENT_ATTENTION = ("deepseek_v3",)
@@ -198,6 +202,12 @@ def _check(data: dict[str, Any]) -> None:
     if model_type in _HEAD_DIM_GIVEN and data.get("head_dim") is None:
         raise ConfigError(f"head_dim: missing from the {model_type} config; transformers' {model_type} model does "
                           "not derive it from hidden_size / num_attention_heads")
+    head_dim = data.get("head_dim", _default(model_type, "head_dim"))
+    if model_type in _HEADS_SPAN_HIDDEN and head_dim is not None and heads * head_dim != data["hidden_size"]:
+        # torch.export's "a and b must have same reduction dim" against model.hf_config whole before
+        raise ConfigError(f"head_dim: {head_dim}{_defaulted(data, model_type, 'head_dim')} x num_attention_heads "
+                          f"{heads} must equal hidden_size {data['hidden_size']}: {model_type}'s attention output "
+                          f"projection takes hidden_size features")
     if data.get("head_dim") is None and data["hidden_size"] % heads:
         raise ConfigError(f"{written.get('hidden_size', 'hidden_size')}: {data['hidden_size']} is not "
                           f"divisible by {written.get('num_attention_heads', 'num_attention_heads')} {heads}")

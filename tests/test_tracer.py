@@ -117,8 +117,8 @@ def test_hf_module_input():
 LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
 # Tiny configs that leave the rest to transformers' defaults, as a user's may
 HELIUM = {"model_type": "helium", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "vocab_size": 128, "intermediate_size": 128}
-DEEPSEEK = {**HELIUM, "model_type": "deepseek_v3"}
+          "vocab_size": 128, "intermediate_size": 128, "head_dim": 16}
+DEEPSEEK = {**{k: v for k, v in HELIUM.items() if k != "head_dim"}, "model_type": "deepseek_v3"}
 DEEPSEEK_MOE = {**DEEPSEEK, "num_key_value_heads": 4, "first_k_dense_replace": 0, "n_routed_experts": 8,
                 "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 4}
 
@@ -189,6 +189,8 @@ DEEPSEEK_MOE = {**DEEPSEEK, "num_key_value_heads": 4, "first_k_dense_replace": 0
         # view error before, which the service reported against model.hf_config whole
         (HELIUM, "num_key_value_heads", "20 (helium's default; set it) does not divide num_attention_heads 4"),
         ({**HELIUM, "model_type": "mistral"}, "num_key_value_heads", "8 (mistral's default; set it) does not"),
+        ({k: v for k, v in HELIUM.items() if k != "head_dim"}, "head_dim",
+         "128 (helium's default; set it) x num_attention_heads 4 must equal hidden_size 64"),
         (DEEPSEEK, "num_key_value_heads", "128 (deepseek_v3's default; set it) must equal num_attention_heads 4"),
         # eager transformers runs this only without a mask, where SDPA's enable_gqa hides it
         ({**DEEPSEEK, "num_key_value_heads": 2, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 8},
