@@ -122,7 +122,7 @@ def apply(plan: Plan, model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn
     try:  # a plan changed in Python since it was read (pydantic checks only on construction)
         plan = Plan.model_validate(data := plan.model_dump())
     except ValidationError as e:
-        raise PlanError("plan is invalid:\n  " + "\n  ".join(problem_lines(e, data))) from None
+        raise PlanError("plan is invalid:\n  " + "\n  ".join(f"plan: {line}" for line in problem_lines(e, data))) from None
     if mesh is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Launched by torchrun (or any launcher that sets the env:// variables) and not
         # initialised yet: the training loop stays free of distributed set-up.  torch's
