@@ -630,18 +630,19 @@ def unplaced_compute_s(ctx: Context, graph: nx.DiGraph) -> tuple[float, float]:
 
 
 def canonical_map(graph: nx.DiGraph) -> dict[str, str]:
-    """Each traced node -> its counterpart in the first traced layer (itself elsewhere)."""
+    """Each traced node -> its counterpart in the first traced layer of its kind (itself
+    elsewhere): a model whose layers come in kinds (DeepSeek-V3's dense and MoE layers)
+    has one set of units per kind, each kind's layers taking one layout."""
     by_layer: dict[int, list[str]] = defaultdict(list)
     for n, d in graph.nodes(data=True):
         if d.get("layer") is not None and d["kind"] == "call_function":
             by_layer[d["layer"]].append(n)
     canon = {n: n for n in graph.nodes}
-    if len(by_layer) < 2:
-        return canon
-    first = by_layer[min(by_layer)]
-    for nodes in by_layer.values():
-        if len(nodes) == len(first):
-            canon.update(zip(nodes, first))
+    firsts: dict[tuple, list[str]] = {}
+    for layer in sorted(by_layer):
+        nodes = by_layer[layer]
+        kind = tuple((graph.nodes[n]["op"], graph.nodes[n]["shape"]) for n in nodes)
+        canon.update(zip(nodes, firsts.setdefault(kind, nodes)))
     return canon
 
 

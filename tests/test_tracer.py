@@ -221,15 +221,20 @@ def test_deepseek_v3_routing_defaults_trace_where_they_fit() -> None:
     assert trace(dense, 1, 16).graph["layers"] == 2
 
 
-def test_layers_that_differ_beyond_the_traced_ones_are_all_exported() -> None:
+def test_layers_of_each_kind_stand_for_the_rest_of_their_kind() -> None:
     """DeepSeek-V3's first ``first_k_dense_replace`` layers are dense (3 by default): its
-    two traced layers matched, both dense, and stood for all four, the MoE layer's
-    experts and router missing from the graph."""
-    config = {**DEEPSEEK_MOE, "num_hidden_layers": 4, "first_k_dense_replace": 3}
+    two traced layers matched, both dense, and stood for every layer, the MoE layers'
+    experts and router missing from the graph.  Exporting every layer instead took the
+    full model's plan from ~20 s to ~6 minutes: two layers of each kind are exported, each
+    standing for its share of its kind, and the whole model's figures are the same."""
+    config = {**DEEPSEEK_MOE, "num_hidden_layers": 7, "first_k_dense_replace": 2}
     g = trace(config, 1, 16)
-    assert g.graph["traced_layers"] == 4
+    assert (g.graph["traced_layers"], g.graph["layer_weights"]) == (4, [1, 1, 3, 2])
     routed = {d["layer"] for _, d in g.nodes(data=True) if d.get("short") == "grouped_mm"}
-    assert routed == {3}
+    assert routed == {2, 3}
+    whole = trace(build_model(load_config(config), "meta", torch.float32), 1, 16)  # a module: every layer
+    assert whole.graph["traced_layers"] == 7
+    assert totals(g) == pytest.approx(totals(whole), rel=1e-9)
 
 
 def test_null_key_value_heads_mean_as_many_as_attention_heads():
