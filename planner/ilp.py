@@ -19,7 +19,8 @@ Formulation (units and choices from ``planner.strategies``):
                         w' linearises x[producer, s] AND p[t,l,D] like w)
     s.t.      sum x[u,c] (weights + grads + optimizer + in-flight activations)
                   <= usable memory per device              (bytes, not counts)
-              tied parameters take one placement across their uses
+              tied parameters, and a pattern's parameters, take one placement across
+                  their uses
               a unit that does not cut replicated inputs itself takes a sharded
                   layout only where some input arrives in it (_forbid_unmade_chunks)
               user pins remove the choices that contradict them.
@@ -218,7 +219,7 @@ def _solver(time_limit_s: float | None) -> tuple[pulp.LpSolver, str]:
 
 
 def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
-          memory_budget: float, tied: dict[str, list[str]] | None = None,
+          memory_budget: float, tied: dict[str, list[tuple[str, str]]] | None = None,
           time_limit_s: float | None = None, state_divisor: int = 1) -> Solution:
     """Solve the ILP above; raises InfeasibleError with the memory the best layout needs.
 
@@ -229,13 +230,13 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
     for u in units.values():
         if not u.choices:
             raise InfeasibleError(f"no valid placement for {u.kind} {u.key} ({u.module or 'model'})", kind="conflict")
-    for param, keys in (tied or {}).items():
-        # a parameter several anchors use (a tied embedding and head) takes one placement:
-        # where their choices share none, no memory bound makes the ILP feasible
-        offered = [{c.weights[param] for c in units[k].choices if param in c.weights} for k in keys]
+    for param, uses in (tied or {}).items():
+        # a parameter (or pattern) several units place takes one placement: where their
+        # choices share none, no memory bound makes the ILP feasible
+        offered = [{c.weights[fqn] for c in units[k].choices if fqn in c.weights} for k, fqn in uses]
         if not set.intersection(*offered):
             takes = "; ".join(sorted(f"{units[k].module} takes {' or '.join(str(list(pl)) for pl in sorted(o))}"
-                                     for k, o in zip(keys, offered)))
+                                     for (k, _), o in zip(uses, offered)))
             raise InfeasibleError(f"{param} is tied, and no placement suits all its uses: {takes}", kind="conflict")
     prob = pulp.LpProblem("placement", pulp.LpMinimize)
     x = {k: [prob.add_variable(f"x_{i}_{j}", cat="Binary") for j in range(len(u.choices))]
@@ -294,13 +295,13 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
     mem = [v * _choice_bytes(c, state_divisor)
            for k, u in units.items() for v, c in zip(x[k], u.choices)]
     prob += pulp.lpSum(mem) <= memory_budget, "memory"
-    for param, keys in (tied or {}).items():
-        first, *rest = keys
-        placements = {c.weights[param] for c in units[first].choices}
-        for other in rest:
+    for (first, fqn), *rest in (tied or {}).values():
+        placements = {c.weights[fqn] for c in units[first].choices}
+        for other, other_fqn in rest:
             for pl in placements:
-                prob += (pulp.lpSum(v for v, c in zip(x[first], units[first].choices) if c.weights[param] == pl)
-                         == pulp.lpSum(v for v, c in zip(x[other], units[other].choices) if c.weights.get(param) == pl))
+                prob += (pulp.lpSum(v for v, c in zip(x[first], units[first].choices) if c.weights[fqn] == pl)
+                         == pulp.lpSum(v for v, c in zip(x[other], units[other].choices)
+                                       if c.weights.get(other_fqn) == pl))
     solver, name = _solver(time_limit_s)
     t1 = time.perf_counter()
     prob.solve(solver)

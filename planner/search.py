@@ -287,11 +287,14 @@ def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dic
     """The ILP's best assignment (and pipeline split) within the profile's usable memory,
     or, with ``lift_memory``, with no memory bound: how a layout that does not fit would run."""
     tmap = tensors(ctx, graph, units, unit_of, canonical_map(graph))
-    tied: dict[str, list[str]] = {}
+    # A parameter several units use (a tied embedding and head) takes one placement, and
+    # so does a pattern several units place: the plan writes one placement per pattern, so
+    # the units of each layer kind (DeepSeek-V3's dense and MoE layers' attention) agree.
+    uses: dict[str, dict[str, str]] = {}  # pattern -> unit key -> a parameter of it there
     for k, u in units.items():
-        for fqn in {f for c in u.choices for f in c.weights}:
-            tied.setdefault(fqn, []).append(k)
-    tied = {f: ks for f, ks in tied.items() if len(ks) > 1}
+        for fqn in sorted({f for c in u.choices for f in c.weights}):
+            uses.setdefault(fqn_pattern(fqn), {}).setdefault(k, fqn)
+    tied = {pattern: list(by_unit.items()) for pattern, by_unit in uses.items() if len(by_unit) > 1}
     gathered = _gathered_estimate(ctx, graph, pp)
     budget = usable_bytes(ctx.profile) - gathered
     if lift_memory:

@@ -633,6 +633,35 @@ def test_deepseek_low_rank_attention_is_split_by_heads_where_that_pays() -> None
     assert attention["kv_a_proj_with_mqa"] == attention["q_a_proj"] == ["R"], attention
 
 
+def test_layers_of_two_kinds_place_a_shared_pattern_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V3's dense and MoE layers are traced as two kinds, each with its own units;
+    the plan writes one placement per parameter pattern, but the ILP placed the dense
+    layers' q_b_proj S(0) and the MoE layers' S(1), and the plan took whichever came last:
+    not the layout it priced.  Patterns are tied across units now."""
+    import planner.search
+    from planner.strategies import fqn_pattern
+
+    placed: dict[str, set[tuple[str, ...]]] = {}
+    parameters = planner.search._parameters
+
+    def recording(graph, cand):  # every unit's placement of each pattern, as solved
+        for choice in cand.solution.choice.values():
+            for fqn, pl in choice.weights.items():
+                placed.setdefault(fqn_pattern(fqn), set()).add(tuple(pl))
+        return parameters(graph, cand)
+
+    monkeypatch.setattr(planner.search, "_parameters", recording)
+    config = {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
+              "first_k_dense_replace": 2, "moe_intermediate_size": 32, "n_routed_experts": 8,
+              "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2}
+    plan = planner.plan(config, devices=4, profile="h100-sxm-80g", batch_size=8, seq_len=16, mesh={"tp": 4})
+    assert "model.layers.*.self_attn.q_b_proj.weight" in placed
+    assert {k: v for k, v in placed.items() if len(v) > 1} == {}
+    written = {p.fqn: tuple(p.placements) for p in plan.parameters}
+    assert {k: written[k] for k in placed} == {k: v.pop() for k, v in placed.items()}
+
+
 def test_eager_attention_is_not_split_by_sequence() -> None:
     """Gemma 2's eager attention multiplies q by every key: its segment split by sequence
     (every tensor's sequence dim, the keys' too) was priced without the gather of keys
