@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -360,61 +361,35 @@ def test_serve_refuses_a_taken_port(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert err.startswith(f"meshplan: error: --port: cannot listen on 127.0.0.1:{port}"), err
 
 
-def test_show_refuses_placements_the_shapes_cannot_take(plan_file: Path, tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    """A plan that passes the schema but shards a matrix on dim 9: apply's message, not an IndexError."""
+def _first_placed(placements: Callable[[list[str]], list[str]]) -> Callable[[dict], object]:
+    """An edit of a plan's data: its first parameter's placements replaced."""
+    return lambda data: data["parameters"][0].update(placements=placements(data["parameters"][0]["placements"]))
+
+
+@pytest.mark.parametrize("edit, says", [
+    # passes the schema but shards a matrix on dim 9: apply's message, not an IndexError
+    (_first_placed(lambda pl: ["S(9)", *pl[1:]]), "{fqn}: S(9) on mesh dim {dim!r}, but the parameter has 2 dims"),
+    # it read 'parameters.0.placements.0: String should match pattern ...' (audit)
+    (_first_placed(lambda pl: ["S(0)x", *pl[1:]]),
+     "{fqn} (parameters.0.placements.0): 'S(0)x' is not a placement: R (replicated), P (partial sums) or "
+     "S(<dim>) (sharded on that tensor dim)"),
+    # the plan format is versioned: a file without schema_version was shown as a 1.0 plan (audit)
+    (lambda data: data.pop("schema_version"), "schema_version: Field required"),
+    # refused by the plan's own validator: its field and problem, not pydantic's
+    # 'plan: Value error, ' prefix (review)
+    (_first_placed(lambda pl: ["P"] * len(pl)), "parameters: {fqn} cannot be Partial"),
+], ids=["shard-dim-9", "not-a-placement", "unversioned", "partial"])
+def test_show_refuses_a_bad_plan_naming_what_is_wrong(edit: Callable[[dict], object], says: str, plan_file: Path,
+                                                      tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(plan_file.read_text())
-    first = data["parameters"][0]
-    first["placements"] = ["S(9)"] + first["placements"][1:]
-    bad = tmp_path / "s9.json"
+    fqn, dim = data["parameters"][0]["fqn"], data["mesh"]["dims"][0]["name"]
+    edit(data)
+    bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))
     assert main(["show", str(bad)]) == 2
     captured = capsys.readouterr()
-    dim = data["mesh"]["dims"][0]["name"]
-    assert captured.err.strip() == (f"meshplan: error: {bad}: {first['fqn']}: S(9) on mesh dim {dim!r}, "
-                                    "but the parameter has 2 dims (1 problem(s))"), captured.err
+    assert captured.err == f"meshplan: error: {bad}: {says.format(fqn=fqn, dim=dim)} (1 problem(s))\n", captured.err
     assert not captured.out
-
-
-def test_show_names_a_bad_placement_by_its_parameter(plan_file: Path, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    """It read 'parameters.0.placements.0: String should match pattern ...' (audit)."""
-    data = json.loads(plan_file.read_text())
-    first = data["parameters"][0]
-    first["placements"] = ["S(0)x"] + first["placements"][1:]
-    bad = tmp_path / "typo.json"
-    bad.write_text(json.dumps(data))
-    assert main(["show", str(bad)]) == 2
-    assert capsys.readouterr().err == (f"meshplan: error: {bad}: {first['fqn']} (parameters.0.placements.0): "
-                                       "'S(0)x' is not a placement: R (replicated), P (partial sums) or S(<dim>) "
-                                       "(sharded on that tensor dim) (1 problem(s))\n")
-
-
-def test_show_refuses_a_plan_without_its_version(plan_file: Path, tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    """The plan format is versioned: a file without schema_version was shown as a 1.0 plan (audit)."""
-    data = json.loads(plan_file.read_text())
-    del data["schema_version"]
-    bad = tmp_path / "unversioned.json"
-    bad.write_text(json.dumps(data))
-    assert main(["show", str(bad)]) == 2
-    assert capsys.readouterr().err == f"meshplan: error: {bad}: schema_version: Field required (1 problem(s))\n"
-
-
-def test_show_names_the_field_a_plan_validator_refuses(plan_file: Path, tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    """A Partial parameter, refused by the plan's own validator: its field and problem, not
-    pydantic's 'plan: Value error, ' prefix (review)."""
-    data = json.loads(plan_file.read_text())
-    first = data["parameters"][0]
-    first["placements"] = ["P"] * len(first["placements"])
-    bad = tmp_path / "partial.json"
-    bad.write_text(json.dumps(data))
-    assert main(["show", str(bad)]) == 2
-    assert capsys.readouterr().err.strip() == (
-        f"meshplan: error: {bad}: parameters: {first['fqn']} cannot be Partial (1 problem(s))")
-
-
 
 
 def test_show_does_not_import_torch(plan_file: Path, tmp_path: Path) -> None:
