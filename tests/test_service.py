@@ -364,7 +364,7 @@ def test_a_huge_name_is_echoed_as_its_start_and_length(tmp_path: Path, body: dic
     answer = TestClient(create_app(tmp_path / "plans.db")).post("/v1/plans", json=body)
     detail = answer.json()["detail"]
     assert answer.status_code == 422 and detail.startswith(starts), detail[:200]
-    assert len(answer.content) < 2000 and f"{HUGE} characters" in detail or "characters left out" in detail
+    assert len(answer.content) < 2000 and (f"{HUGE} characters" in detail or "characters left out" in detail)
 
 
 EXPECTED_BODY = 'a JSON object such as {"model": "llama3-8b", "devices": 64, "profile": "h100-sxm-80g"}'
