@@ -3,7 +3,9 @@
 The placement ILP is solved once on the ``dp x tp`` sub-mesh; its per-unit costs are
 then split into a per-layer part (units inside the repeated layers) and the parts
 before the first layer (embeddings) and after the last (final norm, output head).
-Stages are contiguous runs of layers; dynamic programming over the layer count picks
+A model whose layers come in kinds (DeepSeek-V3's dense first layers, then MoE ones)
+has a per-layer part per kind, and a stage costs the kinds it holds.  Stages are
+contiguous runs of layers; dynamic programming over the layer count picks
 the split minimising the slowest stage's time under each stage's memory, where a
 stage's activations are multiplied by the micro-batches it holds in flight under the
 schedule (``cost_model.memory.inflight_microbatches``).  ``cost_model.step`` then
@@ -39,13 +41,16 @@ from planner.ilp import Solution
 from planner.strategies import (
     Context,
     Unit,
+    canonical_map,
     fsdp_copy_s,
     fsdp_degree,
     fsdp_host_s,
     layer_index,
+    layer_kinds,
     loss_mean_s,
     unplaced_compute_s,
 )
+from planner.tracer import layer_weight
 
 
 @dataclass(frozen=True)
@@ -148,67 +153,97 @@ def stage_modules(graph: nx.DiGraph, stages: list[Stage], virtual: int = 1) -> l
     return out
 
 
-def split_parts(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution
-                ) -> tuple[Part, Part, Part, Part]:
-    """(one layer, before the layers, after the layers, what every virtual stage runs
-    again: the model's code on positions and masks, ``unplaced_compute_s``) of a solved
-    assignment."""
+Partial = tuple[str, float, int]  # a gradient left Partial: (collective, bytes, mesh dim)
+Partials = tuple[list[Partial], list[Partial]]  # the first stage's, the last stage's
+
+
+@dataclass(frozen=True)
+class Layers:
+    """The repeated layers: one real layer's part and Partial gradients per kind of layer
+    (``strategies.layer_kinds``), and which kind each real layer is."""
+
+    parts: tuple[Part, ...]
+    partials: tuple[tuple[Partial, ...], ...]
+    kind: tuple[int, ...]  # real layer -> index into parts
+
+    def on_rank(self, placed: int, n: int, virtual: int) -> tuple[int, ...]:
+        """Layers of each kind on the pp rank that holds ``n`` layers after the ``placed``
+        of the ranks before it.  With ``virtual`` stages per rank (interleaved 1F1B) they
+        are ``n / virtual`` layers ``placed / virtual`` into each of the model's
+        ``virtual`` equal runs, as ``stage_modules`` deals them out."""
+        span, size = len(self.kind) // virtual, n // virtual
+        counts = [0] * len(self.parts)
+        for v in range(virtual):
+            start = v * span + placed // virtual
+            for k in self.kind[start:start + size]:
+                counts[k] += 1
+        return tuple(counts)
+
+
+def split_parts(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution,
+                partial: Sequence[tuple[str, str, float, int]] = ()) -> tuple[Layers, Part, Part, Part, Partials]:
+    """(the layers, before the layers, after the layers, what every virtual stage runs
+    again: the model's code on positions and masks, ``unplaced_compute_s``; and the
+    gradients left Partial before and after the layers) of a solved assignment.
+    ``partial``: ``planner.search._partial_grads``' entries.
+
+    A unit's costs are the whole model's, summed over the real layers its traced nodes
+    stand for; they are shared out to the kinds of layer (and the parts before and after
+    them) by its nodes' work, each counted as often as it runs."""
     layers = graph.graph["layers"]
     first_nodes = _first_nodes(graph)
+    traced_kind = layer_kinds(graph, canonical_map(graph))
+    stand_ins = graph.graph["stand_ins"]
+    if len(stand_ins) != layers:  # the layers were not told apart (no single prefix): one kind
+        stand_ins = [min(traced_kind)] * layers
+    kinds = sorted({traced_kind[i] for i in stand_ins})
+    index = {k: i for i, k in enumerate(kinds)}
+    of = tuple(index[traced_kind[i]] for i in stand_ins)
+    real = [of.count(i) for i in range(len(kinds))]
     m = ctx.microbatches
-    per_layer, first, last = Part(), Part(), Part()
+    per_kind, first, last = [Part()] * len(kinds), Part(), Part()
     reshard_by_unit: dict[str, float] = {}
     for t_key, _src, _dst, cost in sol.edges:
         reshard_by_unit[t_key] = reshard_by_unit.get(t_key, 0.0) + cost
     for key, choice in sol.choice.items():
         u = units[key]
-        w = {"layer": 0.0, "first": 0.0, "last": 0.0}
+        w: dict[str | int, float] = {}
         for n in u.nodes:
             d = graph.nodes[n]
-            proxy = d["fwd_flops"] + d["bytes"] + 1.0
-            where = "layer" if d.get("layer") is not None else ("first" if n in first_nodes else "last")
-            w[where] += proxy
+            where = (index[traced_kind[d["layer"]]] if d.get("layer") is not None
+                     else "first" if n in first_nodes else "last")
+            w[where] = w.get(where, 0.0) + (d["fwd_flops"] + d["bytes"] + 1.0) * layer_weight(graph, n)
         total = sum(w.values())
         part = Part(choice.compute_s / m, choice.recompute_s / m, (sum(reshard_by_unit.get(n, 0.0) for n in u.nodes) + choice.comm_s) / m,
                     choice.gather_s, choice.grad_sync_s, sum(choice.state), choice.act_bytes, choice.tensors)
-        per_layer = per_layer + part * (w["layer"] / total / layers)
-        first = first + part * (w["first"] / total)
-        last = last + part * (w["last"] / total)
+        per_kind = [p + part * (w.get(i, 0.0) / total / real[i]) for i, p in enumerate(per_kind)]
+        first = first + part * (w.get("first", 0.0) / total)
+        last = last + part * (w.get("last", 0.0) / total)
     preamble, in_layers = unplaced_compute_s(ctx, graph)
-    per_layer = per_layer + Part(compute_s=in_layers / m / layers)
-    return per_layer, first, last + Part(blocking_s=loss_mean_s(ctx)), Part(compute_s=preamble / m)
-
-
-Partials = tuple[list[tuple[str, float, int]], list[tuple[str, float, int]], list[tuple[str, float, int]]]
-
-
-def split_partials(graph: nx.DiGraph, partial: Sequence[tuple[str, str, float, int]]) -> Partials:
-    """(one layer's, the first stage's, the last stage's) gradients left Partial
-    (``planner.search._partial_grads``' entries, without the parameter): the modules
-    before the layers run on the first stage, those after them on the last."""
-    first_nodes = _first_nodes(graph)
+    per_kind = [p + Part(compute_s=in_layers / m / layers) for p in per_kind]
+    # each kind's Partial gradients are its first real layer's (that traced layer's own)
+    entries: dict[int | str, list[Partial]] = {}
     before = {f for n in first_nodes for f in graph.nodes[n].get("params", {}).values()}
-    indexed = {fqn: layer_index(fqn) for fqn, *_ in partial}
-    lowest = min((i for i in indexed.values() if i is not None), default=None)
-    out: Partials = ([], [], [])
     for fqn, *entry in partial:
-        if indexed[fqn] is not None:
-            if indexed[fqn] == lowest:
-                out[0].append(tuple(entry))
-        else:
-            out[1 if fqn in before else 2].append(tuple(entry))
-    return out
+        i = layer_index(fqn)
+        where = ("first" if fqn in before else "last") if i is None else i
+        entries.setdefault(where, []).append(tuple(entry))
+    layer_parts = Layers(tuple(per_kind), tuple(tuple(entries.get(k, ())) for k in kinds), of)
+    return (layer_parts, first, last + Part(blocking_s=loss_mean_s(ctx)), Part(compute_s=preamble / m),
+            (entries.get("first", []), entries.get("last", [])))
 
 
-def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, last: Part,
-           schedule: str, virtual: int, p2p_s: float, partials: Partials = ([], [], []),
+def _stage(ctx: Context, pp: int, index: int, counts: tuple[int, ...], layers: Layers, first: Part, last: Part,
+           schedule: str, virtual: int, p2p_s: float, partials: Partials = ([], []),
            preamble: Part = Part()) -> tuple[StageCost, float, float, float]:
     """(cost, memory, model-state bytes, FSDP2's gathered bytes) of stage ``index`` holding
-    ``n`` layers; each of its ``virtual`` stages runs ``preamble``."""
-    part = (layer * n + (first if index == 0 else Part()) + (last if index == pp - 1 else Part())
-            + preamble * virtual)
+    ``counts`` layers of each kind; each of its ``virtual`` stages runs ``preamble``."""
+    n = sum(counts)
+    body = sum((p * c for p, c in zip(layers.parts, counts, strict=True)), Part())
+    part = body + (first if index == 0 else Part()) + (last if index == pp - 1 else Part()) + preamble * virtual
     # the stage's gradients left Partial, reduced after each backward as without a pipeline
-    pending = partials[0] * n + (partials[1] if index == 0 else []) + (partials[2] if index == pp - 1 else [])
+    pending = ([e for es, c in zip(layers.partials, counts, strict=True) for e in es * c]
+               + (partials[0] if index == 0 else []) + (partials[1] if index == pp - 1 else []))
     partial_s = partial_grad_time(ctx.profile, ctx.mesh_shape, pending, bucketed=ctx.data_ranks == 1)
     per = state_bytes_per_param(ctx.optimizer)
     # torch's schedules reduce a stage's gradients once, after its last backward (unlike
@@ -219,73 +254,76 @@ def _stage(ctx: Context, pp: int, index: int, n: int, layer: Part, first: Part, 
     m, kept = ctx.microbatches, min(virtual, n)
     gathers = fsdp_step_gathers(m, True, n, kept)
     weights = part.state_bytes * per.weights / per.total
-    layer_weights = layer.state_bytes * per.weights / per.total
+    layer_weights = body.state_bytes * per.weights / per.total / n  # the stage's mean layer
     gathered = weights + (gathers - n - 1) * layer_weights  # each unit once, the unkept layers m more times
     compute = part.compute_s + (fsdp_host_s(ctx, n + 1, weights) + fsdp_copy_s(ctx, gathered, weights, 1)) / m
     fwd = (compute - part.recompute_s) / 3  # backward = 2x forward, plus the recompute
     gather_lat, reduce_lat = bucket_latency(ctx.profile, ctx.mesh_shape, ctx.data_dims, "dp" in ctx.fsdp,
                                             gathers=gathers, reductions=n + 1)
-    root_gather = part.gather_s - n * layer.gather_s
-    gather = ((gathers - fsdp_gathers(m, True, kept=True)) * layer.gather_s + root_gather + gather_lat) / m
+    root_gather = part.gather_s - body.gather_s
+    gather = ((gathers - fsdp_gathers(m, True, kept=True)) * body.gather_s / n + root_gather + gather_lat) / m
     cost = StageCost(
         forward_compute_s=fwd, backward_compute_s=compute - fwd, recompute_s=part.recompute_s,
         blocking_comm_s=part.blocking_s + partial_s, gather_forward_s=gather / 2,
         gather_backward_s=gather / 2, p2p_s=p2p_s * virtual,
-        grad_reduce_s=part.grad_sync_s + reduce_lat, grad_reduce_overlapped=False, layers=max(n, 1),
+        grad_reduce_s=part.grad_sync_s + reduce_lat, grad_reduce_overlapped=False, layers=n,
         overlap_exposure=ctx.profile.overlap_exposure,
         optimizer_s=optimizer_time(ctx.profile, part.state_bytes / per.total, ctx.optimizer,
                                    tensors=max(round(part.tensors), 1),
                                    dtensor=math.prod(ctx.mesh_shape) > 1),  # as planner.search.evaluate
     )
     inflight = inflight_microbatches(schedule, pp, ctx.microbatches, index, virtual)
-    # the stage's root unit holds the embedding (first stage) and the head (last stage)
+    # the stage's root unit holds the embedding (first stage) and the head (last stage);
+    # a stage holds all its layers gathered at the end (fsdp_gathered_bytes): their mean
     degree = fsdp_degree(ctx)
     root = (first.state_bytes if index == 0 else 0.0) + (last.state_bytes if index == pp - 1 else 0.0)
-    gathered = fsdp_gathered_bytes(root * degree / per.total, layer.state_bytes * degree / per.total,
+    gathered = fsdp_gathered_bytes(root * degree / per.total, body.state_bytes / n * degree / per.total,
                                    ctx.optimizer, degree, stage_layers=n)
     return cost, part.state_bytes + part.act_bytes * inflight + gathered, part.state_bytes, gathered
 
 
-def partition(ctx: Context, layers: int, pp: int, layer: Part, first: Part, last: Part,
+def partition(ctx: Context, pp: int, layers: Layers, first: Part, last: Part,
               schedule: str, virtual: int, p2p_s: float, budget: float,
-              partials: Partials = ([], [], []), by_memory: bool = False,
+              partials: Partials = ([], []), by_memory: bool = False,
               preamble: Part = Part()) -> list[Stage] | None:
     """Contiguous layer counts per stage minimising the slowest stage within ``budget``
     bytes per device (DP); ``by_memory``: minimising the largest stage's memory instead."""
     inf = (math.inf, None)
-    memo: dict[tuple[int, int], tuple[StageCost, float, float, float]] = {}
+    memo: dict[tuple[int, tuple[int, ...]], tuple[StageCost, float, float, float]] = {}
 
-    def stage(i: int, n: int) -> tuple[StageCost, float, float, float]:
-        if (i, n) not in memo:  # layers are identical: a stage is its index and size
-            memo[i, n] = _stage(ctx, pp, i, n, layer, first, last, schedule, virtual, p2p_s, partials,
-                                preamble)
-        return memo[i, n]
+    def stage(i: int, placed: int, n: int) -> tuple[StageCost, float, float, float]:
+        counts = layers.on_rank(placed, n, virtual)
+        if (i, counts) not in memo:  # a stage is its index and how many layers of each kind
+            memo[i, counts] = _stage(ctx, pp, i, counts, layers, first, last, schedule, virtual, p2p_s,
+                                     partials, preamble)
+        return memo[i, counts]
 
     # best[i][j]: (slowest stage time (or memory), counts) placing the first j layers on stages 0..i-1
-    best = [[inf] * (layers + 1) for _ in range(pp + 1)]
+    total = len(layers.kind)
+    best = [[inf] * (total + 1) for _ in range(pp + 1)]
     best[0][0] = (0.0, ())
     for i in range(pp):
-        for j in range(layers + 1):
+        for j in range(total + 1):
             if best[i][j][1] is None:
                 continue
-            for n in range(1, layers - j + 1):
-                if i == pp - 1 and j + n != layers:
+            for n in range(1, total - j + 1):
+                if i == pp - 1 and j + n != total:
                     continue
                 if n % virtual:
                     continue
-                cost, mem, _, _ = stage(i, n)
+                cost, mem, _, _ = stage(i, j, n)
                 if mem > budget:
                     continue
                 t = mem if by_memory else cost.forward_compute_s + cost.backward_compute_s + cost.blocking_comm_s
                 cand = (max(best[i][j][0], t), best[i][j][1] + (n,))
                 if cand[0] < best[i + 1][j + n][0]:
                     best[i + 1][j + n] = cand
-    counts = best[pp][layers][1]
+    counts = best[pp][total][1]
     if counts is None:
         return None
     stages, start = [], 0
     for i, n in enumerate(counts):
-        cost, mem, state, gathered = stage(i, n)
+        cost, mem, state, gathered = stage(i, start, n)
         stages.append(Stage((start, start + n), i == 0, i == pp - 1, cost, mem, state, gathered))
         start += n
     return stages
@@ -327,8 +365,7 @@ def best_pipeline(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: 
     memory); ``partial``: the gradients left Partial (``planner.search._partial_grads``).
     ``by_memory``: the leanest instead, the split and schedule whose largest stage needs
     the least memory."""
-    layer, first, last, preamble = split_parts(ctx, graph, units, sol)
-    partials = split_partials(graph, partial)
+    layer_parts, first, last, preamble, partials = split_parts(ctx, graph, units, sol, partial)
     layers = graph.graph["layers"]
     p2p = p2p_time(ctx, graph, (pp, *ctx.mesh_shape))
     budget = usable_bytes(ctx.profile) if budget is None else budget
@@ -336,7 +373,7 @@ def best_pipeline(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: 
     for schedule, virtual in schedules:
         if schedule_blocker(layers, pp, ctx.microbatches, schedule, virtual):
             continue
-        stages = partition(ctx, layers, pp, layer, first, last, schedule, virtual, p2p, budget, partials,
+        stages = partition(ctx, pp, layer_parts, first, last, schedule, virtual, p2p, budget, partials,
                            by_memory, preamble)
         if stages is None:
             continue

@@ -646,6 +646,12 @@ def canonical_map(graph: nx.DiGraph) -> dict[str, str]:
     return canon
 
 
+def layer_kinds(graph: nx.DiGraph, canon: Mapping[str, str]) -> dict[int, int]:
+    """Each traced layer -> the first traced layer of its kind (``canonical_map``'s)."""
+    return {d["layer"]: graph.nodes[canon[n]]["layer"] for n, d in graph.nodes(data=True)
+            if d.get("layer") is not None and d["kind"] == "call_function"}
+
+
 def _adds_heads(d: dict) -> bool:
     """An ``expand`` of one head to all, ``[b, 1, s, d] -> [b, h, s, d]``: DeepSeek's
     rotary key, shared by the heads and computed beside ``kv_a_layernorm`` (which reduces

@@ -45,7 +45,8 @@ A model whose ``forward`` takes ``labels`` (every Hugging Face LM) is traced wit
 the whole vocabulary, as large as an MLP's GEMMs on small models) is in the graph.
 
 Graph attributes: model, layers (real count), traced_layers, layer_weights (the real
-layers each traced one stands for), layer_prefix, batch_size,
+layers each traced one stands for), stand_ins (the traced layer each real one is priced
+as: a pipeline stage's layers), layer_prefix, batch_size,
 seq_len, param_shapes (every parameter of the real model, FQN -> shape), dtype and
 itemsize of the parameters (the model is traced in the training dtype: ``trace``).
 """
@@ -557,6 +558,15 @@ def _traced_prefix(kinds: list[tuple]) -> int:
     return len(kinds)
 
 
+def _stand_ins(kinds: list[tuple], traced: int) -> list[int]:
+    """The traced layer each real layer is priced as: itself among the first ``traced``,
+    else the first traced layer of its kind."""
+    first = {}
+    for i, k in enumerate(kinds[:traced]):
+        first.setdefault(k, i)
+    return [i if i < traced else first[k] for i, k in enumerate(kinds)]
+
+
 def _layer_weights(kinds: list[tuple], traced: int) -> list[int]:
     """How many real layers each of the first ``traced`` stands for: its kind's real
     count split evenly among the traced layers of that kind."""
@@ -624,7 +634,7 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
                 if d["kind"] == "call_function" and _layer_of(d["module"])}
     prefix = prefixes.pop() if len(prefixes) == 1 else None
     traced = len({d["layer"] for _, d in graph.nodes(data=True) if d["layer"] is not None})
-    weights = [1] * traced
+    weights, stand_ins = [1] * traced, list(range(traced))
     if prefix and layers and layers > traced and traced >= 2:
         # each kind's traced layers must be one subgraph, and the truncated model's layers
         # the real model's first ones (a config could build its layers by the model's depth)
@@ -633,14 +643,15 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
         same = all(len({layer_signature(graph, i, prefix) for i in range(traced) if kinds[i] == k}) == 1
                    for k in set(kinds[:traced]))
         if same and (not known or _layer_kinds(exported) == kinds[:traced]):
-            weights = _layer_weights(kinds, traced)
+            weights, stand_ins = _layer_weights(kinds, traced), _stand_ins(kinds, traced)
         else:  # layers differ: export them all
             graph = build_graph(_export(full, batch_size, seq_len), causal_lm, _aliases(full))
-            traced, weights = layers, [1] * layers
+            traced, weights, stand_ins = layers, [1] * layers, list(range(layers))
     if causal_lm and not isinstance(model, nn.Module):
         _price_sliding_windows(graph, config, seq_len, layers, traced)
     graph.graph.update(
-        model=name, layers=layers or traced, traced_layers=traced, layer_weights=weights, layer_prefix=prefix,
+        model=name, layers=layers or traced, traced_layers=traced, layer_weights=weights, stand_ins=stand_ins,
+        layer_prefix=prefix,
         batch_size=batch_size, seq_len=seq_len,
         param_shapes={n: tuple(p.shape) for n, p in full.named_parameters()},
         input_embedding=_input_embedding(full),

@@ -1001,6 +1001,37 @@ def test_a_pipeline_stage_prices_its_optimizer_step_as_the_whole_model_does() ->
     assert 0.4 < two.time.optimizer_s / one.time.optimizer_s < 0.65
 
 
+def test_a_pipeline_stage_costs_the_kinds_of_layer_it_holds() -> None:
+    """DeepSeek-V3's first layers are dense and the rest MoE.  Each stage was priced as
+    that many average layers, so the split was even (5 and 5 of 10 here); the first stage
+    can take more layers, its dense ones being cheaper.  The two-of-each-kind trace prices
+    every stage as exporting every layer does (a unit's costs were shared out to the
+    kinds by its traced nodes unweighted: 4.61 against 4.66 ms)."""
+    import torch
+
+    from planner.tracer import build_model, load_config
+
+    config = {"model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 10, "num_attention_heads": 4,
+              "vocab_size": 128, "intermediate_size": 32, "num_key_value_heads": 4, "first_k_dense_replace": 4,
+              "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256, "n_group": 4}
+    kwargs = {"devices": 2, "profile": "h100-sxm-80g", "pp": 2, "batch_size": 8, "seq_len": 64, "microbatches": 4,
+              "require_fit": False}
+
+    def stages(model, schedule: str, virtual: int) -> tuple[list[tuple[int, float]], float]:
+        plan = planner.hand_plan(model, schedule=schedule, virtual_stages=virtual, **kwargs)
+        return ([(sum(".layers." in m for m in s.modules), s.predicted_time_s) for s in plan.pipeline.stages],
+                plan.prediction.memory.total)
+
+    whole = build_model(load_config(config), "meta", torch.bfloat16)  # a module: every layer exported
+    for schedule, virtual in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        traced, exported = stages(config, schedule, virtual), stages(whole, schedule, virtual)
+        assert [n for n, _ in traced[0]] == [n for n, _ in exported[0]]
+        assert [t for _, t in traced[0]] == pytest.approx([t for _, t in exported[0]], rel=1e-9)
+        assert traced[1] == pytest.approx(exported[1], rel=1e-9)
+        if virtual == 1:
+            assert [n for n, _ in traced[0]] == [6, 4]
+
+
 def test_a_model_dim_that_splits_nothing_is_pointed_out() -> None:
     """A tiny model on this CPU profile, on a tp mesh: no split pays for its gloo
     collectives, so the planner keeps everything whole on tp and every tp rank repeats
