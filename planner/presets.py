@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -225,13 +225,15 @@ def _check(data: dict[str, Any]) -> None:
     if kv and heads % kv:
         raise ConfigError(f"num_key_value_heads: {kv}{_defaulted(data, model_type, 'num_key_value_heads')} "
                           f"does not divide num_attention_heads {heads}")
-    # the experts under any name: transformers maps each to the others (attribute_map)
-    experts_key = next((k for k in _EXPERTS_KEYS if k in data),
-                       next((k for k in _EXPERTS_KEYS if k in _init_parameters(model_type)), "num_local_experts"))
-    experts, routed = (data.get(key, _default(model_type, key)) for key in (experts_key, "num_experts_per_tok"))
+    # the experts under any name: transformers maps each to the others (attribute_map;
+    # ERNIE 4.5's moe_num_experts and moe_k)
+    own = CONFIG_MAPPING[model_type].attribute_map
+    experts_key, experts = _setting(data, model_type, (*(own.get(k, k) for k in _EXPERTS_KEYS), *_EXPERTS_KEYS))
+    routed_key, routed = _setting(data, model_type, (own.get("num_experts_per_tok", "num_experts_per_tok"),
+                                                   "num_experts_per_tok"))
     if experts is not None and routed is not None and routed > experts:
         # torch.export's "k not in range for dimension" from the router's topk otherwise
-        raise ConfigError(f"num_experts_per_tok: {routed}{_defaulted(data, model_type, 'num_experts_per_tok')} "
+        raise ConfigError(f"{routed_key}: {routed}{_defaulted(data, model_type, routed_key)} "
                           f"exceeds {experts_key} {experts}{_defaulted(data, model_type, experts_key)}")
     _check_expert_groups(data, model_type, experts_key)
     pad, vocab = data.get("pad_token_id", _default(model_type, "pad_token_id")), data["vocab_size"]
@@ -244,6 +246,15 @@ def _check(data: dict[str, Any]) -> None:
     _check_activation(data, "activation_function" if model_type == "gpt2" else "hidden_act")
     _check_rope(data)
     _check_dtype(data)
+
+
+def _setting(data: dict[str, Any], model_type: str, names: Sequence[str]) -> tuple[str, Any]:
+    """(name, value) of one setting that goes by several ``names``: the first the config
+    gives, else the first its class takes, with that default."""
+    name = next((k for k in names if k in data), None)
+    if name is None:
+        name = next((k for k in names if k in _init_parameters(model_type)), names[0])
+    return name, data.get(name, _default(model_type, name))
 
 
 def _defaulted(data: dict[str, Any], model_type: str, key: str) -> str:

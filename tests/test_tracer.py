@@ -119,6 +119,8 @@ LLAMA, GPT2 = PRESETS["llama-tiny"], PRESETS["gpt2-tiny"]
 HELIUM = {"model_type": "helium", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
           "vocab_size": 128, "intermediate_size": 128, "head_dim": 16}
 DEEPSEEK = {**{k: v for k, v in HELIUM.items() if k != "head_dim"}, "model_type": "deepseek_v3"}
+ERNIE_MOE = {**LLAMA, "model_type": "ernie4_5_moe", "head_dim": 8, "moe_intermediate_size": 32, "moe_num_experts": 4,
+             "moe_layer_start_index": 1, "tie_word_embeddings": False}
 DEEPSEEK_MOE = {**DEEPSEEK, "num_key_value_heads": 4, "first_k_dense_replace": 0, "n_routed_experts": 8,
                 "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 4}
 
@@ -202,6 +204,9 @@ DEEPSEEK_MOE = {**DEEPSEEK, "num_key_value_heads": 4, "first_k_dense_replace": 0
         ({**DEEPSEEK_MOE, "n_routed_experts": 6}, "n_group", "4 must split n_routed_experts 6 into equal groups"),
         ({**DEEPSEEK_MOE, "n_group": 2}, "topk_group",
          "4 (deepseek_v3's default; set it) must be between 1 and n_group 2"),
+        # ERNIE 4.5 names the routing moe_num_experts and moe_k (transformers' aliases)
+        (ERNIE_MOE, "moe_k", "6 (ernie4_5_moe's default; set it) exceeds moe_num_experts 4"),
+        ({**ERNIE_MOE, "num_experts_per_tok": 5}, "num_experts_per_tok", "5 exceeds moe_num_experts 4"),
     ],
 )
 def test_bad_configs_give_one_line_errors(config, field, says):
