@@ -258,8 +258,11 @@ class Fingerprint(_Strict):
         return cls(params=params, counts=counts, digest=hashlib.sha256(body).hexdigest()[:16])
 
     def mismatches(self, other: Fingerprint) -> list[str]:
-        """Human-readable differences, one per offending parameter pattern."""
+        """Human-readable differences, one per offending parameter pattern, except that the
+        patterns of one layer stack counted alike on both sides (a model with fewer layers
+        than planned: every pattern of its layers) make one line naming the layers."""
         out = []
+        recounted: dict[tuple[str, int, int], list[str]] = {}
         for k in sorted(set(self.params) | set(other.params)):
             if k not in other.params:
                 out.append(f"{k}: in the plan, not in the model")
@@ -268,7 +271,13 @@ class Fingerprint(_Strict):
             elif self.params[k] != other.params[k]:
                 out.append(f"{k}: plan shape {self.params[k]}, model shape {other.params[k]}")
             elif self.counts[k] != other.counts[k]:
-                out.append(f"{k}: plan has {self.counts[k]} such parameters, model {other.counts[k]}")
+                recounted.setdefault((k.partition("*")[0], self.counts[k], other.counts[k]), []).append(k)
+        for (stack, planned, found), keys in recounted.items():
+            if len(keys) > 1 and "*" in keys[0]:
+                out.append(f"{stack}*: plan has {planned} such layers, model {found} "
+                           f"({len(keys)} parameter patterns each)")
+            else:
+                out += [f"{k}: plan has {planned} such parameters, model {found}" for k in keys]
         return out
 
 

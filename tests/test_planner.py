@@ -91,6 +91,11 @@ def test_fingerprint_mismatches_name_the_parameter():
     assert any(p.startswith("extra: in the model") for p in problems)
     assert any(p.startswith("layers.*.w: plan has 2") for p in problems)
     assert a.digest != b.digest
+    # a layer short: one line for the layers, not one per parameter of them
+    layer = [("layers.{}.w", (4, 4)), ("layers.{}.b", (4,)), ("layers.{}.mlp.w", (8, 4))]
+    two = Fingerprint.of([(n.format(i), s) for i in range(2) for n, s in layer] + [("head", (2, 4))])
+    one = Fingerprint.of([(n.format(0), s) for n, s in layer] + [("head", (2, 4))])
+    assert two.mismatches(one) == ["layers.*: plan has 2 such layers, model 1 (3 parameter patterns each)"]
 
 
 @pytest.mark.parametrize(("mesh", "modes", "edits", "expected"), [
