@@ -259,7 +259,16 @@ def _dry_run(model: nn.Module, stages: list[list[str]]) -> tuple[Cuts | None, li
     tensors = {n: fake.from_tensor(torch.empty_like(t, device="meta"))
                for n, t in (*model.named_parameters(), *model.named_buffers())}
     modes = {m: m.training for m in model.modules()}
+    # Hugging Face picks the experts' kernel per call (config._experts_implementation).
+    # Its grouped GEMM on fake tensors runs torch's meta kernel, which takes bfloat16 only
+    # ("Expected inputs of BF16 type"), where the CPU kernel that trains takes fp32 too:
+    # an fp32 MoE pipeline failed here.  No kernel draws or moves a cut, so the dry run
+    # has them run as batched GEMMs.
+    grouped = {id(c): c for m in model.modules()
+               if getattr(c := getattr(m, "config", None), "_experts_implementation", None) == "grouped_mm"}
     try:
+        for c in grouped.values():
+            c._experts_implementation = "batched_mm"
         model.train()
         with rng.preserved():
             if active:
@@ -273,6 +282,8 @@ def _dry_run(model: nn.Module, stages: list[list[str]]) -> tuple[Cuts | None, li
             h.remove()
         for m, training in modes.items():
             m.training = training
+        for c in grouped.values():
+            c._experts_implementation = "grouped_mm"
     problems = [f"pipeline.stages[{s}].modules: {stages[s][0 if end == 'start' else -1]} does not run in the "
                 "model's forward" for s in range(len(stages)) for end in ("start", "end") if (end, s) not in seen]
     if problems:
