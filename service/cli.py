@@ -228,16 +228,16 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_estimate(args: argparse.Namespace) -> None:
-    estimate = _require("planner", "estimate")
+    hand_plan = _require("planner", "hand_plan")  # planner.estimate's plan: its stages are shown too
     batch, seq = _workload(args)
     microbatches = args.microbatches or args.pp  # planner.hand_plan's default, shown in the output
     try:
-        pred = estimate(args.model, args.devices, args.profile, dp=args.dp, tp=args.tp, pp=args.pp,
-                        fsdp=args.fsdp, sp=args.sp, microbatches=microbatches,
-                        checkpointing=args.checkpointing, schedule=args.schedule,
-                        virtual_stages=args.virtual_stages, batch_size=batch, seq_len=seq,
-                        require_fit=False,  # a layout that does not fit is reported, fits false
-                        progress=_progress)
+        plan = hand_plan(args.model, args.devices, args.profile, dp=args.dp, tp=args.tp, pp=args.pp,
+                         fsdp=args.fsdp, sp=args.sp, microbatches=microbatches,
+                         checkpointing=args.checkpointing, schedule=args.schedule,
+                         virtual_stages=args.virtual_stages, batch_size=batch, seq_len=seq,
+                         require_fit=False,  # a layout that does not fit is reported, fits false
+                         progress=_progress)
     except ValueError as e:
         if args.microbatches is None and microbatches > 1 and "microbatches" in str(e):
             raise UserError(f"{e} (--microbatches defaults to --pp={args.pp}; give the count to use)") from None
@@ -246,9 +246,11 @@ def cmd_estimate(args: argparse.Namespace) -> None:
         layout = {"dp": args.dp, "tp": args.tp, "pp": args.pp, "fsdp": args.fsdp, "sp": args.sp,
                   "microbatches": microbatches, "checkpointing": args.checkpointing,
                   "schedule": args.schedule or ("1f1b" if args.pp > 1 else None), "virtual_stages": args.virtual_stages}
-        _out(json.dumps({"batch_size": batch, "seq_len": seq, "layout": layout, **estimate_json(pred)}, indent=2))
+        stages = {"stages": plan.pipeline.model_dump(mode="json")["stages"]} if plan.pipeline else {}
+        _out(json.dumps({"batch_size": batch, "seq_len": seq, "layout": layout, **estimate_json(plan.prediction),
+                         **stages}, indent=2))
     else:
-        from service.terminal import render_prediction
+        from service.terminal import render_pipeline, render_prediction
 
         layout = " x ".join(f"{n}={v}" for n, v in (("pp", args.pp), ("dp", args.dp), ("tp", args.tp)) if v > 1)
         extras = [w for w, on in (("fsdp", args.fsdp), ("sp", args.sp)) if on]
@@ -261,7 +263,9 @@ def cmd_estimate(args: argparse.Namespace) -> None:
         _out(f"{args.model} on {args.devices} x {profile}: {layout or 'one device'}"
              f"{' ' + '+'.join(extras) if extras else ''}, batch {batch} x seq {seq}, "
              f"{microbatches} micro-batch(es){schedule}")
-        _out(render_prediction(pred))
+        _out(render_prediction(plan.prediction))
+        if plan.pipeline is not None:
+            _out(render_pipeline(plan))
 
 
 def estimate_json(pred: Any) -> dict[str, Any]:

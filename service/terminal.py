@@ -93,6 +93,23 @@ def render_prediction(pred: Prediction) -> str:
     return "\n\n".join([head, times, memory])
 
 
+def render_pipeline(plan: Plan) -> str:
+    """A pipeline plan's stages: what each runs and its predicted time (the split need not
+    be even: a stage of cheaper layers, or beside the embedding, takes more)."""
+    assert plan.pipeline is not None  # noqa: S101
+    pp = plan.pipeline
+    ranks = plan.mesh.size_of(pp.dim)
+    per_rank = pp.virtual_stages > 1 and len(pp.stages) == ranks  # dealt out to virtual stages by apply
+    head = (f"pipeline: {pp.schedule} on {pp.dim}={ranks}, {len(pp.stages)} stages, {pp.virtual_stages} per rank"
+            + (f" (each row gives a rank's layer count; apply deals the layers out in model order over "
+               f"all {len(pp.stages) * pp.virtual_stages} virtual stages, stage s on rank s % {ranks})"
+               if per_rank else ""))
+    return head + "\n" + table(["stage", f"{pp.dim} rank", "time", "modules"], [
+        (s.index, s.index if per_rank else s.index % ranks, seconds(s.predicted_time_s),
+         f"{s.modules[0]} .. {s.modules[-1]} ({len(s.modules)})" if len(s.modules) > 3 else ", ".join(s.modules))
+        for s in pp.stages])
+
+
 def render_plan(plan: Plan) -> str:
     mesh = plan.mesh
     out = [f"{plan.model} on {plan.devices} {mesh.device_type} devices, profile {plan.profile}, "
@@ -117,17 +134,7 @@ def render_plan(plan: Plan) -> str:
             (m.module, ",".join(m.input) if m.input else "-", ",".join(m.output) if m.output else "-")
             for m in plan.modules]))
     if plan.pipeline is not None:
-        pp = plan.pipeline
-        ranks = mesh.size_of(pp.dim)
-        per_rank = pp.virtual_stages > 1 and len(pp.stages) == ranks  # dealt out to virtual stages by apply
-        out.append(f"pipeline: {pp.schedule} on {pp.dim}={ranks}, {len(pp.stages)} stages, {pp.virtual_stages} per rank"
-                   + (f" (each row gives a rank's layer count; apply deals the layers out in model order over "
-                      f"all {len(pp.stages) * pp.virtual_stages} virtual stages, stage s on rank s % {ranks})"
-                      if per_rank else ""))
-        out.append(table(["stage", f"{pp.dim} rank", "time", "modules"], [
-            (s.index, s.index if per_rank else s.index % ranks, seconds(s.predicted_time_s),
-             f"{s.modules[0]} .. {s.modules[-1]} ({len(s.modules)})" if len(s.modules) > 3 else ", ".join(s.modules))
-            for s in pp.stages]))
+        out.append(render_pipeline(plan))
     out.append(render_prediction(plan.prediction))
 
     chosen = {d.name: d.size for d in mesh.dims}

@@ -150,7 +150,15 @@ def test_estimate_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert workload == f"llama-tiny on 2 x {PROFILE}: pp=2 full checkpointing, batch 4 x seq 32, 2 micro-batch(es), 1f1b"
     # a pipeline without --microbatches: as many as stages (it was "microbatches: 1 < pp=2")
     assert main(["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "2"]) == 0
-    assert ", 2 micro-batch(es), 1f1b" in capsys.readouterr().out.splitlines()[0]
+    out = capsys.readouterr().out
+    assert ", 2 micro-batch(es), 1f1b" in out.splitlines()[0]
+    # and its stages, as show prints them: the split need not be even (it was not shown)
+    assert "pipeline: 1f1b on pp=2, 2 stages, 1 per rank" in out
+    assert re.search(r"^0 +0 +[\d.]+ ms +model\.embed_tokens, model\.rotary_emb, model\.layers\.0$", out, re.M), out
+    assert main(["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "2", "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert [s["modules"][-1] for s in stages] == ["model.layers.0", "lm_head"]
+    assert all(s["predicted_time_s"] > 0 for s in stages)
     # a batch the default does not divide says where the count came from
     assert main(["estimate", *TINY, "--dp", "1", "--tp", "1", "--pp", "2", "--batch-size", "3"]) == 2
     assert capsys.readouterr().err.rstrip().endswith("(--microbatches defaults to --pp=2; give the count to use)")
