@@ -63,6 +63,7 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from statistics import mean
 from typing import Any
 
 import networkx as nx
@@ -648,7 +649,7 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
             graph = build_graph(_export(full, batch_size, seq_len), causal_lm, _aliases(full))
             traced, weights, stand_ins = layers, [1] * layers, list(range(layers))
     if causal_lm and not isinstance(model, nn.Module):
-        _price_sliding_windows(graph, config, seq_len, layers, traced)
+        _price_sliding_windows(graph, config, seq_len, layers, traced, kinds)
     graph.graph.update(
         model=name, layers=layers or traced, traced_layers=traced, layer_weights=weights, stand_ins=stand_ins,
         layer_prefix=prefix,
@@ -667,7 +668,7 @@ _MASK_PER_LAYER_TYPE = ("qwen2", "qwen3", "gemma3_text", "qwen2_moe", "exaone4",
 
 
 def _price_sliding_windows(graph: nx.DiGraph, config: PretrainedConfig, seq_len: int, layers: int,
-                           traced: int) -> None:
+                           traced: int, kinds: list[tuple]) -> None:
     """A sliding-window layer's attention at a sequence as long as its window costs all of
     a full attention's FLOPs, not the causal half ``_matmul_flops`` prices: Hugging Face
     then passes SDPA the window's mask (``_ignore_causal_mask_sdpa``), and the kernels that
@@ -678,16 +679,19 @@ def _price_sliding_windows(graph: nx.DiGraph, config: PretrainedConfig, seq_len:
     (Mistral, Mixtral, Phi-3, Starcoder2, Qwen3-MoE build one mask for all).  Gemma 2 picks
     masks by ``layer_types`` too, but runs eager attention, traced as matmuls that compute
     every score: no SDPA node here to price.
-    A traced layer standing for several real ones takes their average."""
+    A traced layer standing for several real ones takes the average over its kind's
+    (``_layer_kinds``; every layer's where the kinds are not known)."""
     window = getattr(config, "sliding_window", None)
     if not isinstance(window, int) or seq_len < window:
         return
     types = getattr(config, "layer_types", None) if config.model_type in _MASK_PER_LAYER_TYPE else None
     sliding = [t == "sliding_attention" for t in (types or ["sliding_attention"] * layers)[:layers]]
+    kind = kinds if len(kinds) == layers else [()] * layers
+    share_of = {k: mean(s for s, k_ in zip(sliding, kind, strict=False) if k_ == k) for k in set(kind)}
     for _, d in graph.nodes(data=True):
         if d.get("short") != "scaled_dot_product_attention" or d["layer"] is None:
             continue
-        share = sliding[d["layer"]] if traced == layers else sum(sliding) / len(sliding)
+        share = sliding[d["layer"]] if traced == layers else share_of[kind[d["layer"]]]
         for key in ("fwd_flops", "bwd_flops", "fwd_trans", "bwd_trans"):
             d[key] *= 1.0 + share
 

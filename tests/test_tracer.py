@@ -108,6 +108,21 @@ def test_sliding_window_attention_is_priced_as_the_masked_kernel_runs_it(config:
     assert attention_flops(32, 32) == pytest.approx(causal * (1 + sliding))  # as long as the window
 
 
+def test_a_kind_of_layer_is_priced_at_its_own_share_of_sliding_layers() -> None:
+    """Qwen2-MoE's dense layers (``mlp_only_layers``) are one kind, its MoE layers another,
+    each traced twice: a traced layer's sliding share is its kind's, not every layer's
+    (the dense layers here all full, the MoE ones 3 of 4 sliding: 0.5 for all before)."""
+    types = ["full_attention"] * 2 + ["sliding_attention"] * 3 + ["full_attention"]
+    config = {**LLAMA, "model_type": "qwen2_moe", "num_hidden_layers": 6, "num_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 16, "mlp_only_layers": [0, 1], "use_sliding_window": True,
+              "sliding_window": 8, "layer_types": types}
+    g = trace(config, 1, 16)
+    assert g.graph["layer_weights"] == [1, 1, 2, 2]
+    flops = {d["layer"]: d["fwd_flops"] for _, d in g.nodes(data=True)
+             if d.get("short") == "scaled_dot_product_attention"}
+    assert flops[2] == pytest.approx(flops[0] * 1.75) and flops[1] == flops[0] and flops[3] == flops[2]
+
+
 def test_hf_module_input():
     model = build_model(load_config("llama-tiny"), "meta")
     g = trace(model, 1, 16)
