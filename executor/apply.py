@@ -301,7 +301,9 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
         problems += _mesh_problems(plan, mesh, layout)
     problems += _unmatched_patterns(plan, model)
     experts: list[tuple[str, torch.dtype]] = []
-    grouped = getattr(getattr(model, "config", None), "_experts_implementation", None) == "grouped_mm"
+    # on a model mesh every parameter is a DTensor, experts kept whole too
+    grouped = (getattr(getattr(model, "config", None), "_experts_implementation", None) == "grouped_mm"
+               and math.prod(plan.mesh.shape[plan.mesh.names.index(d)] for d in layout.model) > 1)
     for fqn, p in named:
         pl = plan.placement_for(fqn)
         if pl is None:
@@ -309,17 +311,16 @@ def _check(plan: Plan, model: nn.Module, world: int, mesh: DeviceMesh | None) ->
             continue
         layout.placements[fqn] = pl
         problems += plan.placement_problems(fqn, tuple(p.shape), pl, layout)
-        if (grouped and p.dim() == 3 and ".experts." in fqn and p.dtype != torch.bfloat16
-                and any(pl[plan.mesh.names.index(d)].startswith("S(") for d in layout.model)):
+        if grouped and p.dim() == 3 and ".experts." in fqn and p.dtype != torch.bfloat16:
             experts.append((fqn, p.dtype))
     if experts:
         # DTensor prices the experts' grouped GEMM with a meta kernel that takes bfloat16
-        # only: "Expected inputs of BF16 type" from deep inside torch (black-box review)
+        # only: "Expected inputs of BF16 type" from deep inside torch (black-box review),
+        # split or replicated (the planner keeps a tiny model's whole on tp: a sweep, session 39)
         (fqn, dtype), more = experts[0], f" (and {len(experts) - 1} more)" if len(experts) > 1 else ""
-        problems.append(f"{fqn}{more}: {str(dtype).removeprefix('torch.')} experts split over the model dims; "
-                        "torch's grouped GEMM under DTensor takes bfloat16 only: build or cast the model in "
-                        "bfloat16, build it with experts_implementation=\"batched_mm\", or plan with the "
-                        "experts replicated there")
+        problems.append(f"{fqn}{more}: {str(dtype).removeprefix('torch.')} experts on the model dims (DTensors "
+                        "there, split or whole); torch's grouped GEMM under DTensor takes bfloat16 only: build "
+                        "or cast the model in bfloat16, or build it with experts_implementation=\"batched_mm\"")
     if not dtensor_rules.FLATTENS_INNER_SHARDS:
         problems += _older_dtensor_problems(model, plan, layout)
     if plan.pipeline is not None:  # its dry run needs a model that fits the plan

@@ -195,8 +195,10 @@ def active() -> bool:
     return _STATE.mode is not None
 
 
-def convert(values: Any, fn: Callable[[Any], Any]) -> Any:
-    """``fn(values)`` (a tensor, or a pytree of them), taped inside a region."""
+def convert(values: Any, fn: Callable[[Any], Any], op: bool = False) -> Any:
+    """``fn(values)`` (a tensor, or a pytree of them), taped inside a region.  ``op``: ``fn``
+    computes something of its own (a random op), which the replay runs even where the
+    recording got back what went in (``exponential_``, in place)."""
     if _STATE.mode is None:
         return fn(values)
     tape = _STATE.tape
@@ -221,7 +223,7 @@ def convert(values: Any, fn: Callable[[Any], Any]) -> Any:
         raise _Mismatch("more boundary crossings than recorded")
     step = tape.steps[_STATE.at]
     _STATE.at += 1
-    if not step.changed:
+    if not step.changed and not op:
         return values
     leaves, spec = tree_flatten(values)
     if len(leaves) != len(step.ins):
@@ -250,7 +252,7 @@ class _RandomOps(TorchFunctionMode):
         kwargs = kwargs or {}
         if rng._handler(func) is None or kwargs.get("generator") is not None or not rng.is_active():
             return func(*args, **kwargs)
-        return convert((args, kwargs), lambda a: func(*a[0], **a[1]))
+        return convert((args, kwargs), lambda a: func(*a[0], **a[1]), op=True)
 
 
 def _mark(t: torch.Tensor) -> None:
@@ -366,7 +368,11 @@ class Region:
                 got = self._replay(tape, dargs, dkwargs)
                 ok = _matches(expected, got) and _matches(expected_grads, _vjp(got, inputs, params))
                 reason = "" if ok else "local run differs from DTensor's"
-        except (_Mismatch, RuntimeError, ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001
+            # whatever the check met, the region stays on DTensor, and every rank reaches
+            # the agreement below (a rank that raised left the others waiting in it: an
+            # AttributeError from a replay did); the DTensor forward that follows raises
+            # any error of the model's own
             tape, ok, reason = None, False, f"{type(e).__name__}: {e}"
         finally:
             if state is not None:

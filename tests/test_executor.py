@@ -493,7 +493,7 @@ def moe_steps(plan_json: str | None, config: dict[str, Any] = MIXTRAL, experts: 
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads, "held": held}
+    return {"losses": losses, "grads": grads, "held": held, "local": executor.local_regions.running_locally(model)}
 
 
 def _moe_reference(config: dict[str, Any], experts: str) -> dict[str, Any]:
@@ -538,6 +538,21 @@ def test_experts_split_over_tp_train_as_on_one_device(config: dict[str, Any],
     for name, grad in ref["grads"].items():
         miss = (got["grads"][name] - grad).norm() / grad.norm()
         assert miss < 1e-5, (name, miss)
+
+
+def test_an_in_place_random_op_replays_on_local_shards() -> None:
+    """PhiMoE's router draws ``empty_like(g).exponential_()``, in place: the local replay
+    (executor.local_regions) handed back its arguments for it, since the recording got
+    back what went in, and the first step died in the model ("'tuple' object has no
+    attribute 'log'").  The planner's tp=2 plan of it (everything whole on tp) trains as
+    on one device."""
+    plan = planner.plan(PHIMOE, 2, "cpu-gloo-local", batch_size=BATCH, seq_len=SEQ, mesh={"tp": 2})
+    ref = _moe_reference(PHIMOE, "batched_mm")
+    got = run_on_ranks(2, moe_steps, plan.to_json(), PHIMOE, "batched_mm")[0]
+    assert got["local"] == ["model.layers.0", "model.layers.1"]  # replayed, not left on DTensor
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    for name, grad in ref["grads"].items():
+        assert (got["grads"][name] - grad).norm() / grad.norm() < 1e-5, name
 
 
 @pytest.mark.parametrize(("config", "checkpointing"), [
@@ -848,8 +863,15 @@ def test_float32_experts_split_over_tp_are_refused_naming_the_dtype() -> None:
     type" from deep inside torch (black-box review)."""
     plan = planner.hand_plan(OLMOE, devices=2, profile="cpu-gloo-local", tp=2, batch_size=BATCH, seq_len=SEQ)
     msg = _refused(plan, build_model(load_config(OLMOE), device="meta"))
-    assert ("model.layers.0.mlp.experts.gate_up_proj (and 3 more): float32 experts split over the model dims; "
-            "torch's grouped GEMM under DTensor takes bfloat16 only") in msg
+    says = ("model.layers.0.mlp.experts.gate_up_proj (and 3 more): float32 experts on the model dims (DTensors "
+            "there, split or whole); torch's grouped GEMM under DTensor takes bfloat16 only")
+    assert says in msg
+    # kept whole on tp they are DTensors all the same (the planner's tp=2 plan of a tiny
+    # MoE keeps everything whole: it died in the first forward, a sweep found in session 39)
+    data = plan.model_dump(mode="json")
+    for entry in data["parameters"]:
+        entry["placements"] = ["R"] * len(entry["placements"])
+    assert says in _refused(Plan.model_validate(data), build_model(load_config(OLMOE), device="meta"))
 
 
 def test_what_torch_2_11_cannot_run_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
