@@ -1014,7 +1014,7 @@ def test_a_pipeline_stage_costs_the_kinds_of_layer_it_holds() -> None:
     kinds by its traced nodes unweighted: 4.61 against 4.66 ms)."""
     import torch
 
-    from planner.tracer import build_model, load_config
+    from planner.presets import build_model, load_config
 
     config = {"model_type": "deepseek_v3", "hidden_size": 64, "num_hidden_layers": 10, "num_attention_heads": 4,
               "vocab_size": 128, "intermediate_size": 32, "num_key_value_heads": 4, "first_k_dense_replace": 4,
