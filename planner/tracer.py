@@ -617,7 +617,7 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
         raise ConfigError(f"seq_len: must be positive, got {seq_len}")
     name = model_name(model)
     if isinstance(model, nn.Module):
-        full, exported, layers, kinds = model, model, None, []
+        full, exported, layers, kinds, known = model, model, None, [], False
     else:
         config = load_config(model)
         max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -626,8 +626,9 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
         layers = _num_layers(config)
         full = build_model(config, "meta", dtype)
         kinds = _layer_kinds(full)
-        exported = build_model(_truncated(config, _traced_prefix(kinds) if len(kinds) == layers
-                                          else min(layers, TRACED_LAYERS)), "meta", dtype)
+        known = len(kinds) == layers
+        kinds = kinds if known else [()] * layers  # not told apart: taken as one kind
+        exported = build_model(_truncated(config, _traced_prefix(kinds)), "meta", dtype)
     causal_lm = getattr(getattr(exported, "config", None), "is_decoder", False) or hasattr(
         exported, "generate")
     graph = build_graph(_export(exported, batch_size, seq_len), causal_lm, _aliases(exported))
@@ -639,8 +640,6 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
     if prefix and layers and layers > traced and traced >= 2:
         # each kind's traced layers must be one subgraph, and the truncated model's layers
         # the real model's first ones (a config could build its layers by the model's depth)
-        known = len(kinds) == layers  # else taken as one kind
-        kinds = kinds if known else [()] * layers
         same = all(len({layer_signature(graph, i, prefix) for i in range(traced) if kinds[i] == k}) == 1
                    for k in set(kinds[:traced]))
         if same and (not known or _layer_kinds(exported) == kinds[:traced]):
@@ -680,18 +679,17 @@ def _price_sliding_windows(graph: nx.DiGraph, config: PretrainedConfig, seq_len:
     masks by ``layer_types`` too, but runs eager attention, traced as matmuls that compute
     every score: no SDPA node here to price.
     A traced layer standing for several real ones takes the average over its kind's
-    (``_layer_kinds``; every layer's where the kinds are not known)."""
+    (``kinds``: one per real layer, all alike where ``_layer_kinds`` cannot tell them apart)."""
     window = getattr(config, "sliding_window", None)
     if not isinstance(window, int) or seq_len < window:
         return
     types = getattr(config, "layer_types", None) if config.model_type in _MASK_PER_LAYER_TYPE else None
     sliding = [t == "sliding_attention" for t in (types or ["sliding_attention"] * layers)[:layers]]
-    kind = kinds if len(kinds) == layers else [()] * layers
-    share_of = {k: mean(s for s, k_ in zip(sliding, kind, strict=False) if k_ == k) for k in set(kind)}
+    share_of = {k: mean(s for s, k_ in zip(sliding, kinds, strict=False) if k_ == k) for k in set(kinds)}
     for _, d in graph.nodes(data=True):
         if d.get("short") != "scaled_dot_product_attention" or d["layer"] is None:
             continue
-        share = sliding[d["layer"]] if traced == layers else share_of[kind[d["layer"]]]
+        share = sliding[d["layer"]] if traced == layers else share_of[kinds[d["layer"]]]
         for key in ("fwd_flops", "bwd_flops", "fwd_trans", "bwd_trans"):
             d[key] *= 1.0 + share
 
