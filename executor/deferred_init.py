@@ -46,12 +46,27 @@ def _construction_order(module: nn.Module) -> Iterator[nn.Module]:
     yield module
 
 
-# Modules whose __init__ draws random values outside any reset method, keyed by
-# "module.qualname" so transformers is not imported here.  Each entry redoes
-# exactly the draws of that __init__, in the same order.
+def _xielu(m: nn.Module) -> None:
+    """``transformers.activations.XIELUActivation.__init__`` (Apertus' MLP): constants, no
+    draws, which a meta-device build loses.  Apertus builds it with the defaults
+    ``alpha_p_init = alpha_n_init = 0.8``; ``beta`` and ``eps`` are kept as floats too.
+    Computed in the parameters' dtype, as ``__init__`` does in its ``dtype``."""
+    def inverse_softplus(x: float) -> float:  # a number: DTensor has no fill_ from a tensor
+        return torch.log(torch.expm1(torch.tensor(x, dtype=m.alpha_p.dtype))).item()
+
+    m.alpha_p.fill_(inverse_softplus(0.8))
+    m.alpha_n.fill_(inverse_softplus(0.8 - m._beta_scalar))
+    m.beta.fill_(m._beta_scalar)
+    m.eps.fill_(m._eps_scalar)
+
+
+# Modules whose __init__ sets parameters outside any reset method (random draws, or
+# constants), keyed by "module.qualname" so transformers is not imported here.  Each
+# entry redoes exactly what that __init__ does to them, draws in the same order.
 _INIT_DRAWS: dict[str, Callable[[nn.Module], None]] = {
     # transformers.pytorch_utils.Conv1D.__init__ (GPT-2): nn.init.normal_(self.weight, std=0.02)
     "transformers.pytorch_utils.Conv1D": lambda m: nn.init.normal_(m.weight, std=0.02),
+    "transformers.activations.XIELUActivation": _xielu,
 }
 
 

@@ -29,10 +29,17 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3"
                          "olmo2", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gemma2", "glm", "glm4",
                          "helium", "nemotron", "exaone4", "smollm3", "ministral", "phimoe", "ernie4_5",
                          "ernie4_5_moe", "seed_oss", "hunyuan_v1_dense", "arcee", "gpt_oss",
-                         "deepseek_v3")
+                         "deepseek_v3",
+                         "olmo3", "ministral3", "cohere2", "internlm3", "exaone", "jais2", "nanochat",
+                         "bitnet", "persimmon", "cwm", "hyperclovax", "vaultgemma", "granite_swa", "youtu",
+                         "minicpm3", "gemma4_text", "apertus", "apertus1p5_text",
+                         "glm4_moe", "glm4_moe_lite", "deepseek_v2", "hunyuan_v1_moe", "dots1", "minimax_m2",
+                         "granitemoeshared", "flex_olmo", "exaone_moe", "cohere2_moe", "sarvam_moe", "afmoe",
+                         "solar_open", "laguna", "mimo_v2_flash")
 # Model types transformers builds only with eager attention (``_supports_sdpa`` False):
-# Gemma 2's logit soft-capping, GPT-OSS's attention sinks.
-_EAGER_ATTENTION = ("gemma2", "gpt_oss")
+# Gemma 2's and VaultGemma's logit soft-capping, the attention sinks of GPT-OSS,
+# Granite-SWA and MiMo-V2-Flash.
+_EAGER_ATTENTION = ("gemma2", "gpt_oss", "vaultgemma", "granite_swa", "mimo_v2_flash")
 # Model types whose modelling code reads head_dim as given: a null one is not derived
 # (Ministral's attention computes ``None ** -0.5``).
 _HEAD_DIM_GIVEN = ("ministral",)
@@ -41,8 +48,10 @@ _HEAD_DIM_GIVEN = ("ministral",)
 # 128 rather than being derived, which a tiny config's hidden_size does not match.
 _HEADS_SPAN_HIDDEN = ("helium",)
 # Model types whose attention projects keys and values for every head from a shared
-# latent (multi-head latent attention): num_key_value_heads groups nothing there.
-_LATENT_ATTENTION = ("deepseek_v3",)
+# latent (multi-head latent attention): num_key_value_heads groups nothing there, and
+# the heads' width is their own (qk_nope_head_dim + qk_rope_head_dim), not hidden_size's
+# share (GLM-4.7-Flash: hidden_size 2048, 20 heads).
+_LATENT_ATTENTION = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
 # The number of routed experts under each model type's name for it.
 _EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -128,6 +137,9 @@ _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_s
 # Sizes Hugging Face derives when null: key/value heads default to the attention heads,
 # head_dim to hidden_size / num_attention_heads.  Any other null size is a mistake.
 _NULLABLE = ("num_key_value_heads", "head_dim")
+# The experts' sizes, null by default in a config class whose MoE block is optional
+# (Gemma 4's, switched on by enable_moe_block).
+_MOE_SIZES = ("num_experts", "moe_intermediate_size", "num_experts_per_tok")
 # Model types whose causal LM's embedding has no padding row (no padding_idx): any
 # pad_token_id builds.
 _NO_PADDING_ROW = ("gpt2", "gpt_neox")
@@ -185,7 +197,8 @@ def _check(data: dict[str, Any]) -> None:
         if key not in data:
             raise ConfigError(f"{written.get(key, key)}: missing from the {model_type} config")
     for key, limit in _LIMITS.items():
-        if key not in data or (data[key] is None and key in _NULLABLE):
+        if key not in data or (data[key] is None and (key in _NULLABLE or key in _MOE_SIZES and key in
+                                                      _init_parameters(model_type) and _default(model_type, key) is None)):
             continue
         value, name = data[key], written.get(key, key)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -208,7 +221,7 @@ def _check(data: dict[str, Any]) -> None:
         raise ConfigError(f"head_dim: {head_dim}{_defaulted(data, model_type, 'head_dim')} x num_attention_heads "
                           f"{heads} must equal hidden_size {data['hidden_size']}: {model_type}'s attention output "
                           f"projection takes hidden_size features")
-    if data.get("head_dim") is None and data["hidden_size"] % heads:
+    if data.get("head_dim") is None and model_type not in _LATENT_ATTENTION and data["hidden_size"] % heads:
         raise ConfigError(f"{written.get('hidden_size', 'hidden_size')}: {data['hidden_size']} is not "
                           f"divisible by {written.get('num_attention_heads', 'num_attention_heads')} {heads}")
     # a key left out takes its class's default, which several classes do not derive from

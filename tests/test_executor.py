@@ -460,6 +460,71 @@ DEEPSEEK_V3 = {**PRESETS["llama-tiny"], "model_type": "deepseek_v3", "num_key_va
                "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
                "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
                "v_head_dim": 8, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "rope_interleave": True}
+# The MoE types added in session 40 (fp32, 2 of 4 experts per token), each with what sets it
+# apart; the DeepSeek-V3-style routers score groups of experts (n_group, topk_group)
+_T, _MLA = PRESETS["llama-tiny"], {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+                                   "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8}
+_GROUPED = {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+            "moe_intermediate_size": 16, "routed_scaling_factor": 2.5}
+MORE_MOE: dict[str, dict[str, Any]] = {
+    # DeepSeek-V3's router and shared expert, a dense first layer, GQA attention, q/k norm, partial rotary
+    "glm4_moe": {**_T, **_GROUPED, "model_type": "glm4_moe", "num_hidden_layers": 3, "head_dim": 8,
+                 "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True, "use_qk_norm": True},
+    # GLM-4-MoE with latent attention, dense or sparse per mlp_layer_types
+    "glm4_moe_lite": {**_T, **_MLA, **_GROUPED, "model_type": "glm4_moe_lite", "num_hidden_layers": 3,
+                      "n_shared_experts": 1, "mlp_layer_types": ["dense", "sparse", "sparse"],
+                      "norm_topk_prob": True},
+    # latent attention with complex-number rotary, a softmax router limited to groups
+    "deepseek_v2": {**_T, **_MLA, **_GROUPED, "model_type": "deepseek_v2", "num_hidden_layers": 3,
+                    "n_shared_experts": 1, "first_k_dense_replace": 1, "topk_method": "group_limited_greedy"},
+    # Mixtral's experts beside a shared MLP, an fp32 router, q and k normed per head
+    "hunyuan_v1_moe": {**_T, "model_type": "hunyuan_v1_moe", "head_dim": 8, "intermediate_size": 32,
+                       "num_experts": 4, "moe_topk": 2},
+    # Qwen3's attention, DeepSeek-V3's MoE
+    "dots1": {**_T, **_GROUPED, "model_type": "dots1", "num_hidden_layers": 3, "head_dim": 8,
+              "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True},
+    # a sigmoid router with a correction bias, q and k normed over all heads, partial rotary
+    "minimax_m2": {**_T, "model_type": "minimax_m2", "head_dim": 8, "intermediate_size": 32,
+                   "num_local_experts": 4, "num_experts_per_tok": 2,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    # GraniteMoE with a shared MLP (its fused gate|up input_linear stays whole)
+    "granitemoeshared": {**_T, "model_type": "granitemoeshared", "num_local_experts": 4, "num_experts_per_tok": 2,
+                         "intermediate_size": 32, "shared_intermediate_size": 32, "embedding_multiplier": 12.0,
+                         "logits_scaling": 8.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125},
+    # OLMoE's experts, OLMo 2's norms after attention and MLP
+    "flex_olmo": {**_T, "model_type": "flex_olmo", "num_experts": 4, "num_experts_per_tok": 2,
+                  "intermediate_size": 32, "eos_token_id": 1, "pad_token_id": None},
+    # EXAONE 4's attention (sliding and full layers), DeepSeek-V3's MoE after a dense layer
+    "exaone_moe": {**_T, "model_type": "exaone_moe", "num_hidden_layers": 3, "head_dim": 8,
+                   "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1,
+                   "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "sliding_window": 8,
+                   "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    # Cohere 2's parallel block and sliding layers, a shared expert averaged in
+    "cohere2_moe": {**_T, "model_type": "cohere2_moe", "num_hidden_layers": 3, "head_dim": 8, "intermediate_size": 32,
+                    "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1, "sliding_window": 8,
+                    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                    "mlp_layer_types": ["dense", "sparse", "sparse"], "bos_token_id": 0, "eos_token_id": 1},
+    # GLM-4-MoE's model under its own config: full rotary, q/k norm
+    "sarvam_moe": {**_T, **_GROUPED, "model_type": "sarvam_moe", "num_hidden_layers": 3, "head_dim": 8,
+                   "n_shared_experts": 1, "first_k_dense_replace": 1, "use_qk_norm": True, "pad_token_id": None},
+    # attention gated by a sigmoid (self_attn.gate_proj), sliding layers, a router with a frozen expert bias
+    "afmoe": {**_T, "model_type": "afmoe", "num_hidden_layers": 3, "head_dim": 8, "moe_intermediate_size": 16,
+              "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1, "num_dense_layers": 1,
+              "route_scale": 2.5, "global_attn_every_n_layers": 2, "sliding_window": 8},
+    # GLM-4-MoE's MoE in every layer, Llama's attention
+    "solar_open": {**_T, **_GROUPED, "model_type": "solar_open", "head_dim": 8, "n_shared_experts": 1},
+    # an output gate per head (g_proj, softplus), heads per layer, a Qwen2-MoE shared expert
+    "laguna": {**_T, "model_type": "laguna", "num_hidden_layers": 3, "head_dim": 8, "moe_intermediate_size": 16,
+               "shared_expert_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+               "num_attention_heads_per_layer": [4, 8, 4], "sliding_window": 8,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    # attention sinks on the sliding layers (eager), which have twice the key/value heads; v_head_dim != head_dim
+    "mimo_v2_flash": {**_T, "model_type": "mimo_v2_flash", "num_hidden_layers": 3, "num_key_value_heads": 2,
+                      "head_dim": 8, "v_head_dim": 4, "moe_intermediate_size": 16, "n_routed_experts": 4,
+                      "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "sliding_window": 8,
+                      "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+                      "mlp_layer_types": ["dense", "sparse", "sparse"]},
+}
 TOP2 = {"num_experts_per_tok": 2}
 # The hand layout's experts: gate_up_proj split by its 2 x ffn outputs, so the gate and up
 # halves land on different ranks before the model's chunk(2); down_proj by its ffn inputs,
@@ -516,9 +581,9 @@ def _tp_experts_plan(config: dict[str, Any], checkpointing: str = "none",
     ({**MIXTRAL, **TOP2}, COLUMN_THEN_ROW), ({**QWEN3_MOE, **TOP2}, COLUMN_THEN_ROW),
     ({**QWEN2_MOE, **TOP2}, COLUMN_THEN_ROW), ({**OLMOE, **TOP2}, COLUMN_THEN_ROW),
     ({**GRANITEMOE, **TOP2}, COLUMN_THEN_ROW), (PHIMOE, COLUMN_THEN_ROW), (ERNIE_MOE, COLUMN_THEN_ROW),
-    (GPT_OSS, GPT_OSS_SPLIT), (DEEPSEEK_V3, COLUMN_THEN_ROW)],
+    (GPT_OSS, GPT_OSS_SPLIT), (DEEPSEEK_V3, COLUMN_THEN_ROW), *((c, COLUMN_THEN_ROW) for c in MORE_MOE.values())],
     ids=["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "phimoe", "ernie4_5_moe", "gpt_oss",
-         "deepseek_v3"])
+         "deepseek_v3", *MORE_MOE])
 def test_experts_split_over_tp_train_as_on_one_device(config: dict[str, Any],
                                                       split: set[tuple[str, tuple[str, ...]]]) -> None:
     """In fp32, every gradient (routers', shared experts' and norms' too) matches one

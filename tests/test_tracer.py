@@ -94,6 +94,16 @@ def test_llama3_8b_training_flops_match_6nt_plus_attention():
     ({"model_type": "qwen2_moe", "use_sliding_window": True, "max_window_layers": 6, "num_experts": 4,
       "num_experts_per_tok": 2, "moe_intermediate_size": 32}, 0.25),  # the even layers below 6: 0, 2, 4
     ({"model_type": "phimoe", "num_local_experts": 4, "num_experts_per_tok": 2}, 1.0),  # one mask, as Mixtral
+    # and those of session 40
+    *[({"model_type": t, "head_dim": 8, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None,
+        "layer_types": ["sliding_attention", "full_attention"] * 6}, 0.5) for t in ("olmo3", "cohere2", "cwm")],
+    ({"model_type": "exaone_moe", "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+      "topk_group": 1, "moe_intermediate_size": 16, "layer_types": ["sliding_attention", "full_attention"] * 6}, 0.5),
+    # Dots1's layers slide from max_window_layers on: none of them, by default (62 of 62)
+    ({"model_type": "dots1", "head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+      "topk_group": 1, "moe_intermediate_size": 16, "n_shared_experts": 1, "max_window_layers": 12}, 0.0),
+    ({"model_type": "dots1", "head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+      "topk_group": 1, "moe_intermediate_size": 16, "n_shared_experts": 1, "max_window_layers": 9}, 0.25),
 ])
 def test_sliding_window_attention_is_priced_as_the_masked_kernel_runs_it(config: dict, sliding: float) -> None:
     """From a sequence as long as the window, Hugging Face hands SDPA the window's mask and
@@ -230,6 +240,25 @@ def test_bad_configs_give_one_line_errors(config, field, says):
     msg = str(err.value)
     assert msg.startswith(f"{field}: ") and "\n" not in msg
     assert says in msg
+
+
+def test_sizes_the_checks_let_through() -> None:
+    """Refused before session 40 though transformers builds them: GLM-4.7-Flash's latent
+    attention, whose 20 heads have a width of their own ("hidden_size: 2048 is not
+    divisible by num_attention_heads 20"), and the null expert sizes Gemma 4's config
+    writes where its MoE block is off, as a traced config's to_dict() has them
+    ("num_experts: must be a positive integer, got None")."""
+    glm = {"model_type": "glm4_moe_lite", "vocab_size": 154880, "hidden_size": 2048, "num_hidden_layers": 47,
+           "num_attention_heads": 20, "num_key_value_heads": 20, "q_lora_rank": 768, "kv_lora_rank": 512,
+           "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256, "n_routed_experts": 64,
+           "num_experts_per_tok": 4, "n_group": 1, "topk_group": 1, "moe_intermediate_size": 1536}
+    assert load_config(glm).num_attention_heads == 20
+    gemma4 = {**LLAMA, "model_type": "gemma4_text", "head_dim": 8, "global_head_dim": 16,
+              "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 128, "bos_token_id": 0,
+              "eos_token_id": 1, "pad_token_id": None, "num_experts": None, "moe_intermediate_size": None}
+    assert trace(gemma4, 1, 16).graph["layers"] == LLAMA["num_hidden_layers"]
+    with pytest.raises(ConfigError, match="^num_local_experts: must be a positive integer, got None$"):
+        load_config({**LLAMA, "model_type": "mixtral", "num_local_experts": None})  # its default is 8
 
 
 def test_deepseek_v3_routing_defaults_trace_where_they_fit() -> None:
