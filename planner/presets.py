@@ -197,8 +197,7 @@ def _check(data: dict[str, Any]) -> None:
         if key not in data:
             raise ConfigError(f"{written.get(key, key)}: missing from the {model_type} config")
     for key, limit in _LIMITS.items():
-        if key not in data or (data[key] is None and (key in _NULLABLE or key in _MOE_SIZES and key in
-                                                      _init_parameters(model_type) and _default(model_type, key) is None)):
+        if key not in data or (data[key] is None and _may_be_null(model_type, key)):
             continue
         value, name = data[key], written.get(key, key)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -259,6 +258,13 @@ def _check(data: dict[str, Any]) -> None:
     _check_activation(data, "activation_function" if model_type == "gpt2" else "hidden_act")
     _check_rope(data)
     _check_dtype(data)
+
+
+def _may_be_null(model_type: str, key: str) -> bool:
+    """A size a config may give as null: one Hugging Face derives (``_NULLABLE``), or an
+    experts' size whose class defaults to null (its MoE block off)."""
+    return key in _NULLABLE or (key in _MOE_SIZES and key in _init_parameters(model_type)
+                                and _default(model_type, key) is None)
 
 
 def _setting(data: dict[str, Any], model_type: str, names: Sequence[str]) -> tuple[str, Any]:

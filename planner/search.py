@@ -97,9 +97,9 @@ Progress = Callable[[str], None]
 # type (Phi-3's qkv_proj and gate_up_proj end like q/k/v and up; GPT-NeoX's fused
 # query_key_value holds each head's q, k and v together, so a column split keeps heads
 # whole).  Everything else stays replicated.
+# DeepSeek's up-projections (q_b_proj, kv_b_proj) and Laguna's output gate (g_proj) are per head.
 _COLWISE = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc|w1|w3|lm_head|query_key_value|"
-                      r"dense_h_to_4h|fc1|embed_out|q_b_proj|kv_b_proj|g_proj)$")  # DeepSeek's up-projections by head,
-# Laguna's output gate per head
+                      r"dense_h_to_4h|fc1|embed_out|q_b_proj|kv_b_proj|g_proj)$")
 _ROWWISE = re.compile(r"(o_proj|down_proj|c_proj|w2|embed_tokens|wte|dense|dense_4h_to_h|fc2|embed_in)$")
 
 
