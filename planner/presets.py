@@ -42,7 +42,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3"
 _EAGER_ATTENTION = ("gemma2", "gpt_oss", "vaultgemma", "granite_swa", "mimo_v2_flash")
 # Model types whose modelling code reads head_dim as given: a null one is not derived
 # (Ministral's attention computes ``None ** -0.5``).
-_HEAD_DIM_GIVEN = ("ministral",)
+_HEAD_DIM_GIVEN = ("ministral", "hunyuan_v1_moe")
 # Model types whose attention output projection takes hidden_size features (not
 # num_attention_heads x head_dim), so the two must be equal; Helium's head_dim defaults to
 # 128 rather than being derived, which a tiny config's hidden_size does not match.
@@ -130,6 +130,7 @@ _LIMITS = {
     "max_position_embeddings": 1 << 24,
     "num_local_experts": 1024,  # Mixtral's name
     "num_experts": 1024,  # Qwen3-MoE's
+    "n_routed_experts": 1024,  # DeepSeek's
     "moe_intermediate_size": 1048576,
     "num_experts_per_tok": 64,
 }
@@ -137,9 +138,10 @@ _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_s
 # Sizes Hugging Face derives when null: key/value heads default to the attention heads,
 # head_dim to hidden_size / num_attention_heads.  Any other null size is a mistake.
 _NULLABLE = ("num_key_value_heads", "head_dim")
-# The experts' sizes, null by default in a config class whose MoE block is optional
-# (Gemma 4's, switched on by enable_moe_block).
+# The experts' sizes, null where an optional MoE block is off: the key that switches it
+# on, per model type (Gemma 4's).
 _MOE_SIZES = ("num_experts", "moe_intermediate_size", "num_experts_per_tok")
+_MOE_SWITCH = {"gemma4_text": "enable_moe_block"}
 # Model types whose causal LM's embedding has no padding row (no padding_idx): any
 # pad_token_id builds.
 _NO_PADDING_ROW = ("gpt2", "gpt_neox")
@@ -197,7 +199,8 @@ def _check(data: dict[str, Any]) -> None:
         if key not in data:
             raise ConfigError(f"{written.get(key, key)}: missing from the {model_type} config")
     for key, limit in _LIMITS.items():
-        if key not in data or (data[key] is None and _may_be_null(model_type, key)):
+        if key not in data or (data[key] is None and (key in _NULLABLE
+                                                      or key in _MOE_SIZES and _moe_off(data, model_type))):
             continue
         value, name = data[key], written.get(key, key)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -221,8 +224,9 @@ def _check(data: dict[str, Any]) -> None:
                           f"{heads} must equal hidden_size {data['hidden_size']}: {model_type}'s attention output "
                           f"projection takes hidden_size features")
     if data.get("head_dim") is None and model_type not in _LATENT_ATTENTION and data["hidden_size"] % heads:
+        hint = "" if model_type == "gpt2" else ": give head_dim, the width of a head"
         raise ConfigError(f"{written.get('hidden_size', 'hidden_size')}: {data['hidden_size']} is not "
-                          f"divisible by {written.get('num_attention_heads', 'num_attention_heads')} {heads}")
+                          f"divisible by {written.get('num_attention_heads', 'num_attention_heads')} {heads}{hint}")
     # a key left out takes its class's default, which several classes do not derive from
     # num_attention_heads (Helium's 20, Mistral's 8, DeepSeek-V3's 128): a tiny config
     # that gives 4 heads otherwise failed in torch.export, naming no key
@@ -237,17 +241,7 @@ def _check(data: dict[str, Any]) -> None:
     if kv and heads % kv:
         raise ConfigError(f"num_key_value_heads: {kv}{_defaulted(data, model_type, 'num_key_value_heads')} "
                           f"does not divide num_attention_heads {heads}")
-    # the experts under any name: transformers maps each to the others (attribute_map;
-    # ERNIE 4.5's moe_num_experts and moe_k)
-    own = CONFIG_MAPPING[model_type].attribute_map
-    experts_key, experts = _setting(data, model_type, (*(own.get(k, k) for k in _EXPERTS_KEYS), *_EXPERTS_KEYS))
-    routed_key, routed = _setting(data, model_type, (own.get("num_experts_per_tok", "num_experts_per_tok"),
-                                                   "num_experts_per_tok"))
-    if experts is not None and routed is not None and routed > experts:
-        # torch.export's "k not in range for dimension" from the router's topk otherwise
-        raise ConfigError(f"{routed_key}: {routed}{_defaulted(data, model_type, routed_key)} "
-                          f"exceeds {experts_key} {experts}{_defaulted(data, model_type, experts_key)}")
-    _check_expert_groups(data, model_type, experts_key)
+    _check_experts(data, model_type)
     pad, vocab = data.get("pad_token_id", _default(model_type, "pad_token_id")), data["vocab_size"]
     if (model_type not in _NO_PADDING_ROW and isinstance(pad, int) and not isinstance(pad, bool)
             and not -vocab <= pad < vocab):
@@ -260,11 +254,45 @@ def _check(data: dict[str, Any]) -> None:
     _check_dtype(data)
 
 
-def _may_be_null(model_type: str, key: str) -> bool:
-    """A size a config may give as null: one Hugging Face derives (``_NULLABLE``), or an
-    experts' size whose class defaults to null (its MoE block off)."""
-    return key in _NULLABLE or (key in _MOE_SIZES and key in _init_parameters(model_type)
-                                and _default(model_type, key) is None)
+def _moe_off(data: dict[str, Any], model_type: str) -> bool:
+    """Whether the config switches off an optional MoE block (Gemma 4's), whose sizes are
+    then null and unused."""
+    switch = _MOE_SWITCH.get(model_type)
+    return switch is not None and not data.get(switch, _default(model_type, switch))
+
+
+def _check_experts(data: dict[str, Any], model_type: str) -> None:
+    """What a mixture of experts' config must hold that transformers does not check: each
+    failed in torch.export or the build, naming no key.  The routing settings under any
+    name (transformers' attribute_map: ERNIE 4.5's moe_num_experts and moe_k), given where
+    the class leaves them null (DeepSeek-V2's num_experts_per_tok, dots1's experts); the
+    experts' width and the hidden size in multiples of 8, which torch's grouped GEMM
+    (transformers' default experts kernel) reads as 16-byte rows in bfloat16
+    (DeepSeek-V2's default moe_intermediate_size is 1407)."""
+    own, params = CONFIG_MAPPING[model_type].attribute_map, _init_parameters(model_type)
+    names = (*(own.get(k, k) for k in _EXPERTS_KEYS), *_EXPERTS_KEYS)
+    if not any(k in params for k in names) or _moe_off(data, model_type):
+        return
+    experts_key, experts = _setting(data, model_type, names)
+    routed_key, routed = _setting(data, model_type, (own.get("num_experts_per_tok", "num_experts_per_tok"),
+                                                   "num_experts_per_tok"))
+    width_key = "moe_intermediate_size" if "moe_intermediate_size" in params else "intermediate_size"
+    shared = ("n_shared_experts",) if "n_shared_experts" in params else ()
+    for key in (experts_key, routed_key, width_key, *shared):
+        if data.get(key, _default(model_type, key)) is None:
+            raise ConfigError(f"{key}: missing from the {model_type} config (its class has no default)"
+                              if key not in data else f"{key}: must be a positive integer, got None")
+    if isinstance(routed, int) and isinstance(experts, int) and routed > experts:  # (Hunyuan's may be per layer)
+        # torch.export's "k not in range for dimension" from the router's topk otherwise
+        raise ConfigError(f"{routed_key}: {routed}{_defaulted(data, model_type, routed_key)} "
+                          f"exceeds {experts_key} {experts}{_defaulted(data, model_type, experts_key)}")
+    for key in (width_key, "hidden_size"):
+        value = data.get(key, _default(model_type, key))
+        if isinstance(value, int) and value % 8:
+            raise ConfigError(f"{key}: {value}{_defaulted(data, model_type, key)} must be a multiple of 8 in a "
+                              f"mixture of experts: torch's grouped GEMM (transformers' default experts kernel) "
+                              f"reads 16-byte rows in bfloat16")
+    _check_expert_groups(data, model_type, experts_key)
 
 
 def _setting(data: dict[str, Any], model_type: str, names: Sequence[str]) -> tuple[str, Any]:

@@ -146,6 +146,9 @@ HELIUM = {"model_type": "helium", "hidden_size": 64, "num_hidden_layers": 2, "nu
 DEEPSEEK = {**{k: v for k, v in HELIUM.items() if k != "head_dim"}, "model_type": "deepseek_v3"}
 ERNIE_MOE = {**LLAMA, "model_type": "ernie4_5_moe", "head_dim": 8, "moe_intermediate_size": 32, "moe_num_experts": 4,
              "moe_layer_start_index": 1, "tie_word_embeddings": False}
+DEEPSEEK_V2 = {**LLAMA, "model_type": "deepseek_v2", "num_key_value_heads": 4, "n_routed_experts": 4,
+               "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 16, "qk_rope_head_dim": 4,
+               "qk_nope_head_dim": 4, "v_head_dim": 8, "kv_lora_rank": 16, "q_lora_rank": 16}
 DEEPSEEK_MOE = {**DEEPSEEK, "num_key_value_heads": 4, "first_k_dense_replace": 0, "n_routed_experts": 8,
                 "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 4}
 
@@ -232,6 +235,25 @@ DEEPSEEK_MOE = {**DEEPSEEK, "num_key_value_heads": 4, "first_k_dense_replace": 0
         # ERNIE 4.5 names the routing moe_num_experts and moe_k (transformers' aliases)
         (ERNIE_MOE, "moe_k", "6 (ernie4_5_moe's default; set it) exceeds moe_num_experts 4"),
         ({**ERNIE_MOE, "num_experts_per_tok": 5}, "num_experts_per_tok", "5 exceeds moe_num_experts 4"),
+        # keyless errors in torch.export or the build before (a full-size planning sweep, session 40):
+        # routing the class leaves null, an experts' width torch's grouped GEMM cannot read
+        ({**DEEPSEEK_V2, "num_experts_per_tok": None}, "num_experts_per_tok", "must be a positive integer, got None"),
+        ({k: v for k, v in DEEPSEEK_V2.items() if k != "num_experts_per_tok"}, "num_experts_per_tok",
+         "missing from the deepseek_v2 config (its class has no default)"),
+        ({k: v for k, v in DEEPSEEK_V2.items() if k != "moe_intermediate_size"}, "moe_intermediate_size",
+         "1407 (deepseek_v2's default; set it) must be a multiple of 8 in a mixture of experts"),
+        ({**DEEPSEEK_V2, "model_type": "dots1", "n_routed_experts": None}, "n_routed_experts",
+         "must be a positive integer, got None"),
+        ({**DEEPSEEK_V2, "model_type": "dots1", "n_shared_experts": None}, "n_shared_experts",
+         "must be a positive integer, got None"),
+        ({**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "intermediate_size": 30}, "intermediate_size",
+         "30 must be a multiple of 8 in a mixture of experts"),
+        ({**LLAMA, "model_type": "gemma4_text", "enable_moe_block": True, "head_dim": 8}, "num_experts",
+         "missing from the gemma4_text config (its class has no default)"),
+        ({**LLAMA, "model_type": "hunyuan_v1_moe", "num_experts": 4, "moe_topk": 2, "intermediate_size": 32},
+         "head_dim", "missing from the hunyuan_v1_moe config"),
+        ({**LLAMA, "num_attention_heads": 6}, "hidden_size",
+         "32 is not divisible by num_attention_heads 6: give head_dim, the width of a head"),
     ],
 )
 def test_bad_configs_give_one_line_errors(config, field, says):
