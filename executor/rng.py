@@ -899,6 +899,12 @@ def sdpa(
     that splits only batch and heads (:func:`_aligned_heads`).
     """
     query, key, value = _aligned_heads(query, key, value)
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: attn_mask and is_causal cannot both be set")
+    if (dropout_p or attn_mask is not None) and _heads_sharded_alike(query, key, value):
+        mask = None if attn_mask is None else _mask_for_shards(attn_mask, query)
+        if attn_mask is None or mask is not None:
+            return _sdpa_on_shards(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa)
     if dropout_p == 0.0:
         return _layouts_agree(F.scaled_dot_product_attention(
             query,
@@ -910,12 +916,6 @@ def sdpa(
             scale=scale,
             enable_gqa=enable_gqa,
         ))
-    if is_causal and attn_mask is not None:
-        raise ValueError("scaled_dot_product_attention: attn_mask and is_causal cannot both be set")
-    if _heads_sharded_alike(query, key, value):
-        mask = None if attn_mask is None else _mask_for_shards(attn_mask, query)
-        if attn_mask is None or mask is not None:
-            return _sdpa_on_shards(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa)
     return _attention(query, key, value, attn_mask, is_causal, scale, enable_gqa,
                       lambda weights: dropout(weights, dropout_p, training=True))
 
@@ -1079,20 +1079,26 @@ def _sdpa_on_shards(
 ) -> torch.Tensor:
     """:func:`sdpa` on local shards (see :func:`_heads_sharded_alike`), ``mask`` their part
     of the attention mask; the dropout mask of the local probabilities is drawn for their
-    place in the global scores tensor."""
+    place in the global scores tensor.  Without dropout, torch's fused kernel runs on the
+    shards: DTensor's own attention with a mask failed in backward where the mask came
+    expanded over the batch (Laguna's sliding window under a layout that keeps attention
+    whole on tp: "shape '[1, 1, 16, 16]' is invalid for input of size 1024")."""
     from torch.distributed.tensor import DTensor
 
     mesh, placements = query.device_mesh, query.placements
 
     def wrap(local: torch.Tensor, shape: tuple[int, ...]) -> DTensor:
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+        return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False, shape=shape,
                                   stride=tuple(_contiguous_strides(shape)))
 
-    scores = (*query.shape[:-1], key.shape[-2])
-    out = _attention(
-        query.to_local(), key.to_local(), value.to_local(), mask, is_causal, scale, enable_gqa,
-        lambda weights: dropout(wrap(weights, scores), dropout_p, training=True).to_local(),
-    )
+    q, k, v = query.to_local(), key.to_local(), value.to_local()
+    if dropout_p == 0.0:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                             enable_gqa=enable_gqa)
+    else:
+        scores = (*query.shape[:-1], key.shape[-2])
+        out = _attention(q, k, v, mask, is_causal, scale, enable_gqa,
+                         lambda weights: dropout(wrap(weights, scores), dropout_p, training=True).to_local())
     return wrap(out, (*query.shape[:-1], value.shape[-1]))
 
 
