@@ -32,10 +32,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3"
                          "deepseek_v3",
                          "olmo3", "ministral3", "cohere2", "internlm3", "exaone", "jais2", "nanochat",
                          "bitnet", "persimmon", "cwm", "hyperclovax", "vaultgemma", "granite_swa", "youtu",
-                         "minicpm3", "gemma4_text", "apertus", "apertus1p5_text",
+                         "minicpm3", "gemma4_text", "apertus", "apertus1p5_text", "iquestcoder",
                          "glm4_moe", "glm4_moe_lite", "deepseek_v2", "hunyuan_v1_moe", "dots1", "minimax_m2",
                          "granitemoeshared", "flex_olmo", "exaone_moe", "cohere2_moe", "sarvam_moe", "afmoe",
-                         "solar_open", "laguna", "mimo_v2_flash")
+                         "solar_open", "laguna", "mimo_v2_flash", "mellum", "hy_v3")
 # Model types transformers builds only with eager attention (``_supports_sdpa`` False):
 # Gemma 2's and VaultGemma's logit soft-capping, the attention sinks of GPT-OSS,
 # Granite-SWA and MiMo-V2-Flash.

@@ -664,7 +664,8 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
 # Model types whose layers each take the mask their ``layer_types`` entry names
 # (``causal_mask_mapping[config.layer_types[i]]`` in their modelling code).
 _MASK_PER_LAYER_TYPE = ("qwen2", "qwen3", "gemma3_text", "qwen2_moe", "exaone4", "smollm3", "ministral", "olmo3",
-                        "cohere2", "gemma4_text", "cwm", "dots1", "exaone_moe", "cohere2_moe", "afmoe", "laguna")
+                        "cohere2", "gemma4_text", "cwm", "dots1", "exaone_moe", "cohere2_moe", "afmoe", "laguna",
+                        "mellum")
 
 
 def _price_sliding_windows(graph: nx.DiGraph, config: PretrainedConfig, seq_len: int, layers: int,

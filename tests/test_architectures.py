@@ -94,6 +94,7 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "ministral3": ("ministral3", {"head_dim": 8, **TOKENS}, TP_SP_FSDP),  # yarn rotary, llama-4 query scaling
     "cohere2": ("cohere2", {"sliding_window": 8, **TOKENS}, TP_SP_FSDP),  # tied, rotary on sliding layers only
     "internlm3": ("internlm3", {"head_dim": 8, **TOKENS}, TP_SP_FSDP),  # built as Llama
+    "iquestcoder": ("iquestcoder", {"head_dim": 8, **TOKENS}, TP_SP_FSDP),  # built as Llama
     "exaone": ("exaone", TOKENS, TP_SP_FSDP),  # built as Llama
     "jais2": ("jais2", {"head_dim": 8, **TOKENS}, TP_SP_FSDP),  # LayerNorm, relu^2 MLP without a gate, biases
     "nanochat": ("nanochat", TOKENS, TP_SP_FSDP),  # norms without weights, q/k normed after rotary

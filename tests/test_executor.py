@@ -524,6 +524,15 @@ MORE_MOE: dict[str, dict[str, Any]] = {
                       "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "sliding_window": 8,
                       "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
                       "mlp_layer_types": ["dense", "sparse", "sparse"]},
+    # sliding and full layers, dense or sparse per mlp_layer_types
+    "mellum": {**_T, "model_type": "mellum", "num_hidden_layers": 3, "head_dim": 8, "moe_intermediate_size": 16,
+               "num_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+               "mlp_layer_types": ["dense", "sparse", "sparse"]},
+    # a shared expert, the experts' sum in fp32
+    "hy_v3": {**_T, "model_type": "hy_v3", "num_hidden_layers": 3, "head_dim": 8, "moe_intermediate_size": 16,
+              "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1,
+              "mlp_layer_types": ["dense", "sparse", "sparse"]},
 }
 TOP2 = {"num_experts_per_tok": 2}
 # The hand layout's experts: gate_up_proj split by its 2 x ffn outputs, so the gate and up

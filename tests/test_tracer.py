@@ -97,6 +97,8 @@ def test_llama3_8b_training_flops_match_6nt_plus_attention():
     # and those of session 40
     *[({"model_type": t, "head_dim": 8, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None,
         "layer_types": ["sliding_attention", "full_attention"] * 6}, 0.5) for t in ("olmo3", "cohere2", "cwm")],
+    ({"model_type": "mellum", "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+      "layer_types": ["sliding_attention", "full_attention"] * 6}, 0.5),
     ({"model_type": "exaone_moe", "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
       "topk_group": 1, "moe_intermediate_size": 16, "layer_types": ["sliding_attention", "full_attention"] * 6}, 0.5),
     # Dots1's layers slide from max_window_layers on: none of them, by default (62 of 62)
