@@ -21,6 +21,7 @@ from torch import nn
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 # Each trains on N ranks as on one device under tensor, sequence, fully sharded and
 # pipeline parallelism (tests/test_executor.py, test_pipeline.py, test_architectures.py).
@@ -36,10 +37,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3"
                          "glm4_moe", "glm4_moe_lite", "deepseek_v2", "hunyuan_v1_moe", "dots1", "minimax_m2",
                          "granitemoeshared", "flex_olmo", "exaone_moe", "cohere2_moe", "sarvam_moe", "afmoe",
                          "solar_open", "laguna", "mimo_v2_flash", "mellum", "hy_v3")
-# Model types transformers builds only with eager attention (``_supports_sdpa`` False):
-# Gemma 2's and VaultGemma's logit soft-capping, the attention sinks of GPT-OSS,
-# Granite-SWA and MiMo-V2-Flash.
-_EAGER_ATTENTION = ("gemma2", "gpt_oss", "vaultgemma", "granite_swa", "mimo_v2_flash")
 # Model types whose modelling code reads head_dim as given: a null one is not derived
 # (Ministral's attention computes ``None ** -0.5``).
 _HEAD_DIM_GIVEN = ("ministral", "hunyuan_v1_moe")
@@ -529,7 +526,10 @@ def _culprit(config: PretrainedConfig) -> str | None:
 def build_model(config: PretrainedConfig, device: str | torch.device = "meta",
                 dtype: torch.dtype = torch.float32) -> nn.Module:
     """The unchanged Hugging Face causal LM for ``config``; never runs remote code."""
-    config._attn_implementation = "eager" if config.model_type in _EAGER_ATTENTION else "sdpa"
+    # SDPA where the model class takes it; eager where transformers refuses it (Gemma 2's and
+    # VaultGemma's logit soft-capping, the attention sinks of GPT-OSS, Granite-SWA, MiMo-V2-Flash)
+    supports_sdpa = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa
+    config._attn_implementation = "sdpa" if supports_sdpa else "eager"
     try:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=dtype)
