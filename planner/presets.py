@@ -36,10 +36,15 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3"
                          "minicpm3", "gemma4_text", "apertus", "apertus1p5_text", "iquestcoder",
                          "glm4_moe", "glm4_moe_lite", "deepseek_v2", "hunyuan_v1_moe", "dots1", "minimax_m2",
                          "granitemoeshared", "flex_olmo", "exaone_moe", "cohere2_moe", "sarvam_moe", "afmoe",
-                         "solar_open", "laguna", "mimo_v2_flash", "mellum", "hy_v3")
+                         "solar_open", "laguna", "mimo_v2_flash", "mellum", "hy_v3",
+                         "gpt_bigcode", "gptj", "opt", "codegen", "cohere_compass_text", "biogpt", "mpt", "bloom",
+                         "sarvam_mla", "aria_text", "axk1", "beam", "kolibri1", "flint")
 # Model types whose modelling code reads head_dim as given: a null one is not derived
 # (Ministral's attention computes ``None ** -0.5``).
 _HEAD_DIM_GIVEN = ("ministral", "hunyuan_v1_moe")
+# Model types whose attention never reads a head_dim from the config: the heads are
+# hidden_size / num_attention_heads wide (GPT-2 and the models of its time).
+_HEAD_DIM_DERIVED = ("gpt2", "gpt_bigcode", "gptj", "opt", "codegen", "biogpt", "mpt", "bloom")
 # Model types whose attention output projection takes hidden_size features (not
 # num_attention_heads x head_dim), so the two must be equal; Helium's head_dim defaults to
 # 128 rather than being derived, which a tiny config's hidden_size does not match.
@@ -48,7 +53,10 @@ _HEADS_SPAN_HIDDEN = ("helium",)
 # latent (multi-head latent attention): num_key_value_heads groups nothing there, and
 # the heads' width is their own (qk_nope_head_dim + qk_rope_head_dim), not hidden_size's
 # share (GLM-4.7-Flash: hidden_size 2048, 20 heads).
-_LATENT_ATTENTION = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
+_LATENT_ATTENTION = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "sarvam_mla", "axk1")
+# Model types whose rotary settings are read per layer type (rope_parameters["full_attention"]),
+# with no default in the class.
+_ROPE_PER_LAYER_TYPE = ("cohere_compass_text",)
 # The number of routed experts under each model type's name for it.
 _EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -142,9 +150,9 @@ _MOE_SWITCH = {"gemma4_text": "enable_moe_block"}
 # Model types whose causal LM's embedding has no padding row (no padding_idx): any
 # pad_token_id builds.
 _NO_PADDING_ROW = ("gpt2", "gpt_neox")
-# GPT-2's names for the sizes above.
-_GPT2_ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
-                 "n_positions": "max_position_embeddings"}
+# The sizes above that a config class may store under a name of its own (its
+# attribute_map: GPT-2's n_embd, BLOOM's n_layer, MPT's d_model), as its to_dict() writes them.
+_ALIASED = (*_REQUIRED, "max_position_embeddings")
 # The RoPE types a model can be built with: HF's default plus its init-function registry.
 _ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
 
@@ -189,7 +197,7 @@ def _check(data: dict[str, Any]) -> None:
                          f"({', '.join(f'{k}={v!r}' for k, v in missing.items())})")
         what = "missing from the config" if model_type is None else f"{model_type!r} is not supported"
         raise ConfigError(f"model_type: {what} (supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}")
-    aliases = _GPT2_ALIASES if model_type == "gpt2" else {}
+    aliases = {own: key for key, own in CONFIG_MAPPING[model_type].attribute_map.items() if key in _ALIASED}
     written = {v: k for k, v in aliases.items()}  # canonical name -> the user's name
     data = {aliases.get(k, k): v for k, v in data.items()}
     for key in _REQUIRED:
@@ -221,7 +229,7 @@ def _check(data: dict[str, Any]) -> None:
                           f"{heads} must equal hidden_size {data['hidden_size']}: {model_type}'s attention output "
                           f"projection takes hidden_size features")
     if data.get("head_dim") is None and model_type not in _LATENT_ATTENTION and data["hidden_size"] % heads:
-        hint = "" if model_type == "gpt2" else ": give head_dim, the width of a head"
+        hint = "" if model_type in _HEAD_DIM_DERIVED else ": give head_dim, the width of a head"
         raise ConfigError(f"{written.get('hidden_size', 'hidden_size')}: {data['hidden_size']} is not "
                           f"divisible by {written.get('num_attention_heads', 'num_attention_heads')} {heads}{hint}")
     # a key left out takes its class's default, which several classes do not derive from
@@ -246,8 +254,12 @@ def _check(data: dict[str, Any]) -> None:
         given = "" if "pad_token_id" in data else f" ({model_type}'s default; set it, or null)"
         raise ConfigError(f"pad_token_id: {pad}{given} is not a token of the vocabulary (vocab_size {vocab})")
     _check_rates(data)
-    _check_activation(data, "activation_function" if model_type == "gpt2" else "hidden_act")
+    for key in ("hidden_act", "activation_function"):  # (GPT-2's, GPT-J's, BLOOM-era names)
+        if key in _init_parameters(model_type):
+            _check_activation(data, key)
     _check_rope(data)
+    if model_type in _ROPE_PER_LAYER_TYPE:
+        _check_rope_per_layer_type(data, model_type)
     _check_dtype(data)
 
 
@@ -398,6 +410,18 @@ def _check_rope(data: dict[str, Any]) -> None:
                                   f"(supported: {', '.join(_ROPE_TYPES)})")
 
 
+def _check_rope_per_layer_type(data: dict[str, Any], model_type: str) -> None:
+    """A model that looks its rotary settings up by layer type, with none in its class's
+    defaults, failed to build with a bare ``KeyError: 'full_attention'``."""
+    params = data.get("rope_parameters")
+    kinds = sorted(set(data.get("layer_types") or ("full_attention", "sliding_attention")))
+    missing = [k for k in kinds if not isinstance(params, Mapping) or not isinstance(params.get(k), Mapping)]
+    if missing:
+        example = ", ".join(f'"{k}": {{"rope_type": "default", "rope_theta": 10000.0}}' for k in kinds)
+        raise ConfigError(f"rope_parameters: a {model_type} config needs one object per layer type, and there "
+                          f"is none for {', '.join(missing)} (its class gives no default): e.g. {{{example}}}")
+
+
 _CONFIG_ERRORS = (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, AssertionError,
                   StrictDataclassError)
 
@@ -474,7 +498,8 @@ def default_seq_len(source: Any) -> int:
     the model's maximum positions, capped at ``DEFAULT_SEQ_LEN_CAP``; the cap for a
     module without a config."""
     config = getattr(source, "config", None) if isinstance(source, nn.Module) else load_config(source)
-    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    # (GPT-2's n_positions is its max_position_embeddings; MPT's alibi is built for max_seq_len)
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None)
     return min(DEFAULT_SEQ_LEN_CAP, max_pos or DEFAULT_SEQ_LEN_CAP)
 
 

@@ -98,9 +98,12 @@ Progress = Callable[[str], None]
 # query_key_value holds each head's q, k and v together, so a column split keeps heads
 # whole).  Everything else stays replicated.
 # DeepSeek's up-projections (q_b_proj, kv_b_proj) and Laguna's output gate (g_proj) are per head.
+# OPT's, BioGPT's, GPT-J's and MPT's out_proj, BioGPT's output_projection (its head),
+# BLOOM's word_embeddings, GPT-J's and CodeGen's fc_in / fc_out, MPT's fused Wqkv.
 _COLWISE = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc|w1|w3|lm_head|query_key_value|"
-                      r"dense_h_to_4h|fc1|embed_out|q_b_proj|kv_b_proj|g_proj)$")
-_ROWWISE = re.compile(r"(o_proj|down_proj|c_proj|w2|embed_tokens|wte|dense|dense_4h_to_h|fc2|embed_in)$")
+                      r"dense_h_to_4h|fc1|embed_out|q_b_proj|kv_b_proj|g_proj|output_projection|fc_in|Wqkv)$")
+_ROWWISE = re.compile(r"(o_proj|down_proj|c_proj|w2|embed_tokens|wte|dense|dense_4h_to_h|fc2|embed_in|out_proj|"
+                      r"word_embeddings|fc_out)$")
 
 
 class PlanningError(ValueError):

@@ -111,6 +111,24 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "gemma4": ("gemma4_text", GEMMA4, TP_SP_FSDP),
     "apertus": ("apertus", TOKENS, TP_SP_FSDP),  # xIELU: constants its constructor sets, lost on meta
     "apertus1p5": ("apertus1p5_text", TOKENS, TP_SP_FSDP),
+    # GPT-2-era names (n_embd, n_layer, n_head, d_model), read through each config class's attribute_map
+    "gpt-bigcode": ("gpt_bigcode", {"n_inner": 64, **TOKENS}, TP_SP_FSDP),  # multi-query: one k/v head in c_attn
+    "gpt-bigcode-mha": ("gpt_bigcode", {"n_inner": 64, "multi_query": False, **TOKENS}, TP_SP_FSDP),
+    "gptj": ("gptj", {"rotary_dim": 4, "n_inner": 64, "resid_pdrop": 0.1, **TOKENS}, TP_SP_FSDP),  # parallel block
+    "codegen": ("codegen", {"rotary_dim": 4, "n_inner": 64, "n_ctx": 64, **TOKENS}, TP_SP_FSDP),  # fused qkv
+    "codegen-pp": ("codegen", {"rotary_dim": 4, "n_inner": 64, "n_ctx": 64, "resid_pdrop": 0.1, **TOKENS}, PP_DP),
+    # learned positions offset by 2; layers flatten tokens to 2-D, so no sequence parallelism
+    "opt": ("opt", {"ffn_dim": 64, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2},
+            {"dp": 2, "tp": 2, "fsdp": True}),
+    "biogpt": ("biogpt", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}, TP_SP_FSDP),  # tied, scaled embedding
+    "mpt": ("mpt", {"expansion_ratio": 2, "max_seq_len": 64, "resid_pdrop": 0.1, **TOKENS}, TP_SP_FSDP),  # alibi, Wqkv
+    "bloom": ("bloom", {"hidden_dropout": 0.1, **TOKENS}, TP_SP_FSDP),  # alibi, an embedding LayerNorm
+    # rotary per layer type, sliding and full layers
+    "cohere-compass": ("cohere_compass_text", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                                               "rope_parameters": {t: {"rope_type": "default", "rope_theta": 10000.0,
+                                                                       "mrope_section": [2, 1, 1]}
+                                                                   for t in ("full_attention", "sliding_attention")},
+                                               **TOKENS}, TP_SP_FSDP),
 }
 
 
@@ -160,7 +178,8 @@ def runs() -> tuple[dict[str, Any], list[dict[str, Any]]]:
 def test_every_model_type_is_covered() -> None:
     # the others in tests/test_executor.py (the MoE ones, DeepSeek-V3's pipeline here too) and test_pipeline.py
     others = {"llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe",
-              "phimoe", "ernie4_5_moe", "gpt_oss", "deepseek_v3", *(c["model_type"] for c in MORE_MOE.values())}
+              "phimoe", "ernie4_5_moe", "gpt_oss", "deepseek_v3", "aria_text",
+              *(c["model_type"] for c in MORE_MOE.values())}
     assert {model_type for model_type, _, _ in CASES.values()} | others == set(SUPPORTED_MODEL_TYPES)
 
 
@@ -170,8 +189,9 @@ def test_tensor_parallel_layouts_split_every_projection_of_the_layers(name: str)
     it (GPT-NeoX's and Phi's projections were left so until session 22's review)."""
     plan = Plan.from_json(_plan(name, 4))
     tp = plan.mesh.names.index("tp")
-    whole = [p.fqn for p in plan.parameters if ".layers." in p.fqn and p.fqn.endswith(".weight")
-             and "norm" not in p.fqn and not KEPT_WHOLE.search(p.fqn) and p.placements[tp] == "R"]
+    whole = [p.fqn for p in plan.parameters if re.search(r"\.(layers|h|blocks)\.(\*|\d+)\.", p.fqn)
+             and p.fqn.endswith(".weight") and not re.search(r"norm|\.ln_", p.fqn)
+             and not KEPT_WHOLE.search(p.fqn) and p.placements[tp] == "R"]
     assert not whole
 
 

@@ -464,6 +464,7 @@ DEEPSEEK_V3 = {**PRESETS["llama-tiny"], "model_type": "deepseek_v3", "num_key_va
 # apart; the DeepSeek-V3-style routers score groups of experts (n_group, topk_group)
 _T, _MLA = PRESETS["llama-tiny"], {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
                                    "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8}
+_SL3, _IDS = ["sliding_attention", "full_attention", "sliding_attention"], {"bos_token_id": 0, "eos_token_id": 1}
 _GROUPED = {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
             "moe_intermediate_size": 16, "routed_scaling_factor": 2.5}
 MORE_MOE: dict[str, dict[str, Any]] = {
@@ -533,15 +534,35 @@ MORE_MOE: dict[str, dict[str, Any]] = {
     "hy_v3": {**_T, "model_type": "hy_v3", "num_hidden_layers": 3, "head_dim": 8, "moe_intermediate_size": 16,
               "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1,
               "mlp_layer_types": ["dense", "sparse", "sparse"]},
+    # DeepSeek-V3 under its own model_type
+    "sarvam_mla": {**_T, **_MLA, **_GROUPED, "model_type": "sarvam_mla", "num_hidden_layers": 3,
+                   "n_shared_experts": 1, "first_k_dense_replace": 1},
+    # latent attention, dense or sparse per mlp_layer_types
+    "axk1": {**_T, **_MLA, **_GROUPED, "model_type": "axk1", "num_hidden_layers": 3, "n_shared_experts": 1,
+             "mlp_layer_types": ["dense", "sparse", "sparse"], **_IDS},
+    # grouped routes, a gate on attention's output, sliding layers, the logits soft-capped
+    "beam": {**_T, "model_type": "beam", "num_hidden_layers": 3, "head_dim": 8, "moe_intermediate_size": 16,
+             "num_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "sliding_window": 8,
+             "layer_types": _SL3, "mlp_layer_types": ["dense", "sparse", "sparse"], **_IDS},
+    # a shared expert of its own width, sliding layers
+    "kolibri1": {**_T, "model_type": "kolibri1", "num_hidden_layers": 3, "head_dim": 8, "moe_intermediate_size": 16,
+                 "num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
+                 "sliding_window": 8, "layer_types": _SL3, **_IDS},
+    "flint": {**_T, "model_type": "flint", "num_hidden_layers": 3, "head_dim": 8, "moe_intermediate_size": 16,
+              "num_experts": 4, "num_experts_per_tok": 2, "shared_expert_intermediate_size": 16,
+              "sliding_window": 8, "layer_types": _SL3, **_IDS},  # eager attention
 }
 TOP2 = {"num_experts_per_tok": 2}
+# Aria's text model: experts stored [experts, in, out] (as GPT-OSS's, without biases), a shared expert
+ARIA = {**_T, "model_type": "aria_text", "intermediate_size": 16, "moe_num_experts": 4, "moe_topk": 2,
+        "moe_num_shared_experts": 1, "pad_token_id": None}
 # The hand layout's experts: gate_up_proj split by its 2 x ffn outputs, so the gate and up
 # halves land on different ranks before the model's chunk(2); down_proj by its ffn inputs,
 # a pending sum out.  Stored [experts, out, in], or [experts, in, out] (GPT-OSS, whose
 # expert biases stay whole)
 COLUMN_THEN_ROW = {("gate_up_proj", ("R", "S(1)")), ("down_proj", ("R", "S(2)"))}
-GPT_OSS_SPLIT = {("gate_up_proj", ("R", "S(2)")), ("down_proj", ("R", "S(1)")),
-                 ("gate_up_proj_bias", ("R", "R")), ("down_proj_bias", ("R", "R"))}
+IN_OUT_SPLIT = {("gate_up_proj", ("R", "S(2)")), ("down_proj", ("R", "S(1)"))}
+GPT_OSS_SPLIT = IN_OUT_SPLIT | {("gate_up_proj_bias", ("R", "R")), ("down_proj_bias", ("R", "R"))}
 
 
 def moe_steps(plan_json: str | None, config: dict[str, Any] = MIXTRAL, experts: str = "grouped_mm",
@@ -590,9 +611,10 @@ def _tp_experts_plan(config: dict[str, Any], checkpointing: str = "none",
     ({**MIXTRAL, **TOP2}, COLUMN_THEN_ROW), ({**QWEN3_MOE, **TOP2}, COLUMN_THEN_ROW),
     ({**QWEN2_MOE, **TOP2}, COLUMN_THEN_ROW), ({**OLMOE, **TOP2}, COLUMN_THEN_ROW),
     ({**GRANITEMOE, **TOP2}, COLUMN_THEN_ROW), (PHIMOE, COLUMN_THEN_ROW), (ERNIE_MOE, COLUMN_THEN_ROW),
-    (GPT_OSS, GPT_OSS_SPLIT), (DEEPSEEK_V3, COLUMN_THEN_ROW), *((c, COLUMN_THEN_ROW) for c in MORE_MOE.values())],
+    (GPT_OSS, GPT_OSS_SPLIT), (DEEPSEEK_V3, COLUMN_THEN_ROW), (ARIA, IN_OUT_SPLIT),
+    *((c, COLUMN_THEN_ROW) for c in MORE_MOE.values())],
     ids=["mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "phimoe", "ernie4_5_moe", "gpt_oss",
-         "deepseek_v3", *MORE_MOE])
+         "deepseek_v3", "aria_text", *MORE_MOE])
 def test_experts_split_over_tp_train_as_on_one_device(config: dict[str, Any],
                                                       split: set[tuple[str, tuple[str, ...]]]) -> None:
     """In fp32, every gradient (routers', shared experts' and norms' too) matches one
@@ -603,7 +625,8 @@ def test_experts_split_over_tp_train_as_on_one_device(config: dict[str, Any],
     plan = _tp_experts_plan(config, split=split)
     tp = plan.mesh.names.index("tp")
     whole = [p.fqn for p in plan.parameters if ".layers." in p.fqn and p.fqn.endswith("proj.weight")
-             and "_a_proj" not in p.fqn and p.placements[tp] == "R"]  # (DeepSeek's down-projections stay whole)
+             and "_a_proj" not in p.fqn and p.placements[tp] == "R"]
+    # (DeepSeek's down-projections stay whole)
     assert not whole, whole
     ref = _moe_reference(config, "batched_mm")
     got = run_on_ranks(2, moe_steps, plan.to_json(), config, "batched_mm")[0]

@@ -151,6 +151,7 @@ ERNIE_MOE = {**LLAMA, "model_type": "ernie4_5_moe", "head_dim": 8, "moe_intermed
 DEEPSEEK_V2 = {**LLAMA, "model_type": "deepseek_v2", "num_key_value_heads": 4, "n_routed_experts": 4,
                "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 16, "qk_rope_head_dim": 4,
                "qk_nope_head_dim": 4, "v_head_dim": 8, "kv_lora_rank": 16, "q_lora_rank": 16}
+GPTJ = {"model_type": "gptj", "vocab_size": 128, "n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4}
 DEEPSEEK_MOE = {**DEEPSEEK, "num_key_value_heads": 4, "first_k_dense_replace": 0, "n_routed_experts": 8,
                 "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 4}
 
@@ -256,6 +257,16 @@ DEEPSEEK_MOE = {**DEEPSEEK, "num_key_value_heads": 4, "first_k_dense_replace": 0
          "head_dim", "missing from the hunyuan_v1_moe config"),
         ({**LLAMA, "num_attention_heads": 6}, "hidden_size",
          "32 is not divisible by num_attention_heads 6: give head_dim, the width of a head"),
+        # sizes under a config class's own names (its attribute_map): "hidden_size: missing
+        # from the gptj config" before session 41, whatever the user wrote
+        ({**GPTJ, "n_embd": 30}, "n_embd", "30 is not divisible by n_head 4"),
+        ({**GPTJ, "activation_function": "nosuchact"}, "activation_function", "unknown activation 'nosuchact'"),
+        ({"model_type": "bloom", "vocab_size": 128, "hidden_size": 32, "n_head": 4, "n_layer": 0}, "n_layer",
+         "must be a positive integer, got 0"),
+        ({"model_type": "mpt", "vocab_size": 128, "n_heads": 4, "n_layers": 2}, "d_model", "missing from the mpt"),
+        # a bare KeyError: 'full_attention' from the build before
+        ({**LLAMA, "model_type": "cohere_compass_text"}, "rope_parameters",
+         "a cohere_compass_text config needs one object per layer type, and there is none for full_attention"),
     ],
 )
 def test_bad_configs_give_one_line_errors(config, field, says):
