@@ -643,6 +643,14 @@ def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,
         if isinstance(module, nn.Linear) and isinstance(module.weight, DTensor):
             module.register_forward_pre_hook(_linear_input)
     loss.install(model)  # the loss on vocabulary-sharded logits, without gathering them
+
+    def replicated_input(fqn: str) -> bool:
+        layout = plan.layout_for(fqn)
+        return (layout is not None and layout.input is not None
+                and all(isinstance(p, Replicate) for p in _model_placements(layout.input, plan.mesh.names,
+                                                                             model_dims)))
+
+    local_regions.kept_whole(model, mesh, replicated_input)
     local_regions.regions(model, mesh)
 
 

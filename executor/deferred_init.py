@@ -60,10 +60,36 @@ def _xielu(m: nn.Module) -> None:
     m.eps.fill_(m._eps_scalar)
 
 
+def _gated_delta_net(m: nn.Module) -> None:
+    """Gated DeltaNet's ``__init__`` (Qwen3.5, Qwen3-Next): ``A_log = log(empty(n).uniform_(0.01, 16))``,
+    one draw outside ``reset_parameters`` that ``_init_weights`` redraws anyway; redone so
+    that the draws after it (the model's ``post_init``) take the counters they take in a
+    CPU build.  (Its children's draws come first here, the A draw between the conv1d's and
+    the projections' there: all of those are redrawn by ``_init_weights``, so only the
+    number of draws counts.)"""
+    m.A_log.copy_(torch.empty(m.A_log.shape, device=_local(m.A_log).device).uniform_(0.01, 16).log())
+
+
+def _olmo_hybrid_delta_net(m: nn.Module) -> None:
+    """OLMo Hybrid's Gated DeltaNet ``__init__``: two draws outside ``reset_parameters``
+    (A's ``uniform_``, dt's ``torch.rand``), both redrawn by ``_init_weights``; redone for
+    their count, as ``_gated_delta_net``."""
+    device = _local(m.A_log).device
+    torch.empty(m.A_log.shape, dtype=torch.float32, device=device).uniform_(0.0, 1.0)
+    torch.rand(m.dt_bias.shape, device=device)
+    # values: _init_weights writes both; fill them so nothing is left unwritten
+    m.A_log.fill_(0.0)
+    m.dt_bias.fill_(0.0)
+
+
 # Modules whose __init__ sets parameters outside any reset method (random draws, or
 # constants), keyed by "module.qualname" so transformers is not imported here.  Each
 # entry redoes exactly what that __init__ does to them, draws in the same order.
 _INIT_DRAWS: dict[str, Callable[[nn.Module], None]] = {
+    "transformers.models.olmo_hybrid.modeling_olmo_hybrid.OlmoHybridGatedDeltaNet": _olmo_hybrid_delta_net,
+    "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet": _gated_delta_net,
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet": _gated_delta_net,
+    "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet": _gated_delta_net,
     # transformers.pytorch_utils.Conv1D.__init__ (GPT-2): nn.init.normal_(self.weight, std=0.02)
     "transformers.pytorch_utils.Conv1D": lambda m: nn.init.normal_(m.weight, std=0.02),
     "transformers.activations.XIELUActivation": _xielu,
@@ -246,6 +272,17 @@ class _WriteThrough(TorchFunctionMode):
             values[...] = args[2].full_tensor() if _is_dtensor(args[2]) else args[2]
             self._write_back(target, args[1], values)
             return None
+        if name == "copy_" and _is_dtensor(target) and len(args) > 1 and isinstance(args[1], torch.Tensor) \
+                and not _is_dtensor(args[1]):
+            # a whole value built as a plain tensor, copied in (Qwen3.5's A_log:
+            # ``init.copy_(A_log, torch.empty(n).uniform_(0.01, 16).log_())``); DTensor refuses
+            # the mix. Every rank holds all of it (drawn by global index): each keeps its shard
+            from torch.distributed.tensor import distribute_tensor
+
+            whole = args[1].to(target.dtype).expand(target.shape).contiguous()
+            shard = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+            target.to_local().copy_(shard.to_local())
+            return target
         of_copy = indexed and id(target) in self.copies  # an index of a copy is a view of it
         narrows = indexed and not of_copy and _restricts(target, args[1])
         out = _region(target, args[1]) if narrows else func(*args, **(kwargs or {}))

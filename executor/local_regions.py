@@ -53,7 +53,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from executor import rng
 
@@ -179,6 +179,7 @@ class _Tape:
 class _State(threading.local):
     def __init__(self) -> None:
         self.mode: str | None = None  # "record" or "replay"
+        self.whole = 0  # inside a module kept whole (Whole): the hooks within convert nothing
         self.tape: _Tape | None = None
         self.at = 0
         # recording: the region's inputs and what changed boundaries returned, whose
@@ -199,6 +200,8 @@ def convert(values: Any, fn: Callable[[Any], Any], op: bool = False) -> Any:
     """``fn(values)`` (a tensor, or a pytree of them), taped inside a region.  ``op``: ``fn``
     computes something of its own (a random op), which the replay runs even where the
     recording got back what went in (``exponential_``, in place)."""
+    if _STATE.whole:
+        return values
     if _STATE.mode is None:
         return fn(values)
     tape = _STATE.tape
@@ -581,3 +584,74 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
         return torch.device("cpu")
     return torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
+
+# -- modules kept whole --------------------------------------------------------------------
+
+class Whole:
+    """A module kept whole on the model dims (every parameter replicated there, its input
+    replicated by its layout): its body runs on local tensors, as on one device.  Left to
+    DTensor, a body that makes tensors of its own (Gated DeltaNet's chunked delta rule:
+    ``torch.zeros`` recurrent state, ``solve_triangular``) mixes them with DTensors: the
+    forward's ``implicit_replication`` lets it, but autograd saves the plain tensors and
+    the backward's matmul refuses the mix.  Every rank computes the same values, so the
+    input's and the parameters' gradients are replicated, and the output is too."""
+
+    def __init__(self, fqn: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        self.fqn, self.module, self.mesh = fqn, module, mesh
+        self.forward = module.forward
+        module.forward = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _STATE.mode == "replay":  # inside a region replaying on local tensors already
+            with self._inside():
+                return self.forward(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+
+        def local(t: Any) -> Any:
+            if not isinstance(t, DTensor):
+                return t
+            whole = [Replicate()] * t.device_mesh.ndim
+            if list(t.placements) != whole:
+                t = t.redistribute(t.device_mesh, whole)
+            return t.to_local(grad_placements=whole)
+
+        largs, lkwargs = tree_unflatten([local(t) for t in leaves], spec)
+        with _swapped_parameters(self.module, lambda fqn, p: local(p) if isinstance(p, DTensor) else None), \
+                self._inside():
+            out = self.forward(*largs, **lkwargs)
+        replicate = [Replicate()] * self.mesh.ndim
+        return tree_map_only(torch.Tensor, lambda t: t if isinstance(t, DTensor) else
+                             DTensor.from_local(t, self.mesh, replicate, run_check=False), out)
+
+    @staticmethod
+    @contextmanager
+    def _inside() -> Iterator[None]:
+        _STATE.whole += 1
+        try:
+            yield
+        finally:
+            _STATE.whole -= 1
+
+
+def kept_whole(model: nn.Module, mesh: DeviceMesh, replicated_input: Callable[[str], bool]) -> list[Whole]:
+    """Wrap the outermost modules whose parameters are all replicated DTensors on ``mesh``,
+    whose layout takes a replicated input (``replicated_input(fqn)``), and which hold
+    ``nn.Linear`` children beside parameters of other kinds: a body of more than matmuls
+    (Gated DeltaNet's), which DTensor cannot always run."""
+    found: list[Whole] = []
+    inside: set[str] = set()
+    for fqn, module in model.named_modules():
+        if module is model or isinstance(module, nn.Linear) or any(fqn.startswith(f + ".") for f in inside):
+            continue
+        params = list(module.parameters())
+        holders = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
+        if not params or all(isinstance(m, nn.Linear) for m in holders) \
+                or not any(isinstance(m, nn.Linear) for m in holders):
+            continue  # a bare linear or norm (or a router's weight), which DTensor runs
+        if not all(isinstance(p, DTensor) and all(isinstance(q, Replicate) for q in p.placements) for p in params):
+            continue
+        if not replicated_input(fqn):
+            continue
+        inside.add(fqn)
+        found.append(Whole(fqn, module, mesh))
+    return found

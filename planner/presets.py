@@ -38,7 +38,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3"
                          "granitemoeshared", "flex_olmo", "exaone_moe", "cohere2_moe", "sarvam_moe", "afmoe",
                          "solar_open", "laguna", "mimo_v2_flash", "mellum", "hy_v3",
                          "gpt_bigcode", "gptj", "opt", "codegen", "cohere_compass_text", "biogpt", "mpt", "bloom",
-                         "sarvam_mla", "aria_text", "axk1", "beam", "kolibri1", "flint")
+                         "sarvam_mla", "aria_text", "axk1", "beam", "kolibri1", "flint",
+                         "qwen3_5_text", "olmo_hybrid", "qwen3_next", "qwen3_5_moe_text")
 # Model types whose modelling code reads head_dim as given: a null one is not derived
 # (Ministral's attention computes ``None ** -0.5``).
 _HEAD_DIM_GIVEN = ("ministral", "hunyuan_v1_moe")

@@ -104,6 +104,12 @@ _COLWISE = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|c_attn|c_fc|w1|w
                       r"dense_h_to_4h|fc1|embed_out|q_b_proj|kv_b_proj|g_proj|output_projection|fc_in|Wqkv)$")
 _ROWWISE = re.compile(r"(o_proj|down_proj|c_proj|w2|embed_tokens|wte|dense|dense_4h_to_h|fc2|embed_in|out_proj|"
                       r"word_embeddings|fc_out)$")
+# Linear attention (Gated DeltaNet: Qwen3.5, Qwen3-Next, OLMo Hybrid) stays whole on the
+# model dims in every layout, the ILP's too: its body makes tensors of its own (the chunked
+# delta rule's recurrent state), which DTensor mixes with its inputs in the forward and
+# refuses in the backward; whole, the executor runs it on local tensors
+# (executor.local_regions.Whole).  OLMo Hybrid names its projections q/k/v/g/o_proj.
+_KEPT_WHOLE = re.compile(r"\.linear_attn(\.|$)")
 
 
 class PlanningError(ValueError):
@@ -279,6 +285,11 @@ def _gathered_estimate(ctx: Context, graph: nx.DiGraph, pp: int) -> float:
 def _units(ctx: Context, graph: nx.DiGraph, pins: Callable[[Unit], None] | None
            ) -> tuple[dict[str, Unit], dict[str, str]]:
     units, unit_of = build_units(ctx, graph)
+    for u in units.values():
+        if _KEPT_WHOLE.search(u.module):
+            u.choices = [c for c in u.choices if all(
+                c.inp[i] == "R" and c.out[i] == "R" and all(pl[i] == "R" for pl in c.weights.values())
+                for i in ctx.free_dims)]
     if pins:
         for u in units.values():
             pins(u)
@@ -698,8 +709,9 @@ def _resolve(model: Any, devices: int, profile: Any, batch_size: int | None,
     dtype = _training_dtype(prof)
     if say is not None:
         say(f"tracing {model if isinstance(model, str) else type(model).__name__} ...")
-    graph = _trace_named(model, _config_key(config), seq_len, dtype) if isinstance(model, str) else trace(
-        config if config is not None else model, 1, seq_len, dtype)
+    fused = prof.device_type == "cuda"  # a GPU's fused kernels (the delta rule's), not the CPU's fallbacks
+    graph = _trace_named(model, _config_key(config), seq_len, dtype, fused) if isinstance(model, str) else trace(
+        config if config is not None else model, 1, seq_len, dtype, fused)
     return graph, prof, batch, seq_len, config
 
 
@@ -716,13 +728,13 @@ def _config_key(config: Any) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _trace_named(model: str, config: str, seq_len: int, dtype: torch.dtype) -> nx.DiGraph:
+def _trace_named(model: str, config: str, seq_len: int, dtype: torch.dtype, fused: bool) -> nx.DiGraph:
     """Graphs of named models are reused: a plan and the estimates that check it, or a
     service worker answering many requests, trace each (model, seq_len, dtype) once.
     Keyed by the ``config`` it names too: a config file edited between two plans of one
     process was planned as the model it described first (review).  Callers never mutate
     the graph."""
-    return trace(model, 1, seq_len, dtype)
+    return trace(model, 1, seq_len, dtype, fused)
 
 
 def plan(model: Any, devices: int, profile: Any = "h100-sxm-80g", batch_size: int | None = None,

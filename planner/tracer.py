@@ -86,7 +86,7 @@ _VIEW_OPS = {
 # recomputes nothing in this count and needs dQ, dK, dV from 4 matmuls (2x);
 # elementwise ops need about one pass.
 _BWD_FACTOR = {"linear": 2.0, "mm": 2.0, "addmm": 2.0, "bmm": 2.0, "matmul": 2.0,
-               "scaled_dot_product_attention": 2.0, "grouped_mm": 2.0,
+               "scaled_dot_product_attention": 2.0, "grouped_mm": 2.0, "chunk_gated_delta_rule": 2.0,
                "embedding": 0.0}
 # Transcendental evaluations per output element, (forward, backward): the backward of
 # SiLU / GELU re-evaluates the sigmoid / erf, log-softmax's backward takes exp of its
@@ -149,6 +149,63 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# Gated DeltaNet's chunked delta rule (Qwen3.5, Qwen3-Next, OLMo Hybrid) is traced as the one
+# fused kernel training calls (flash-linear-attention's chunk_gated_delta_rule, chunks of
+# 64 tokens), not as transformers' PyTorch fallback, which torch.export turns into ~2,000
+# ops a layer (a 63-step forward substitution in place of solve_triangular): priced op by
+# op, each with its launch and its round trip through memory, that layer cost ~10x a
+# full-attention layer on an H100 (51 against 4.7 ms, forward and backward, at 4,096
+# tokens).  The op below only stands in for the kernel in the trace: the model runs the
+# fallback, or the fused kernel where it is installed.
+_DELTA_CHUNK = 64
+_TRACING = threading.local()  # .delta_rule: this thread is exporting a model
+
+
+@torch.library.custom_op("meshplan::chunk_gated_delta_rule", mutates_args=())
+def _delta_rule_stand_in(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor) -> torch.Tensor:
+    raise NotImplementedError("meshplan::chunk_gated_delta_rule stands in for the kernel in traces only")
+
+
+@_delta_rule_stand_in.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+      beta: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(value)  # [batch, seq, heads, value head dim], as the kernel's
+
+
+def _delta_rule_flops(q: torch.Tensor, v: torch.Tensor) -> float:
+    """Forward FLOPs of the chunked delta rule on q [b, t, hk, dk] and v [b, t, h, dv] (each
+    query/key head serves h / hk value heads), per head and chunk of C tokens: within it
+    k k^T, q k^T and the gated-key products (3 x 2C^2 dk), the values' two (2 x 2C^2 dv),
+    the triangular solve (2C^3 / 3); across chunks the state's read by keys and by
+    queries and its update (3 x 2C dk dv).  transformers' fallback, which pads the
+    sequence to whole chunks, runs the same matmuls and solves by forward substitution."""
+    b, t, _, dk = q.shape
+    h, dv, c = v.shape[-2], v.shape[-1], _DELTA_CHUNK
+    tokens = b * h * math.ceil(t / c) * c
+    return tokens * (6.0 * c * dk + 4.0 * c * dv + 2.0 * c * c / 3 + 6.0 * dk * dv)
+
+
+def _fused_delta_rule(model: nn.Module) -> None:
+    """Make ``model``'s modelling modules call the stand-in while this thread exports: their
+    ``torch_chunk_gated_delta_rule`` (a module global the layers look up at each call) is
+    wrapped once, for good, and calls the original unless ``_TRACING.delta_rule`` is set,
+    so other threads' models and eager runs are untouched."""
+    for module in {sys.modules[type(m).__module__] for m in model.modules()}:
+        original = getattr(module, "torch_chunk_gated_delta_rule", None)
+        if original is None or getattr(original, "_meshplan_stand_in", False):
+            continue
+
+        def wrapped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            if not getattr(_TRACING, "delta_rule", False) or args or kwargs.get("initial_state") is not None:
+                return _original(query, key, value, g, beta, *args, **kwargs)
+            return torch.ops.meshplan.chunk_gated_delta_rule(query, key, value, g, beta), None
+
+        wrapped._meshplan_stand_in = True  # type: ignore[attr-defined]
+        module.torch_chunk_gated_delta_rule = wrapped
+
+
 def _matmul_flops(short: str, ins: list[torch.Tensor], out: torch.Tensor | None, node: fx.Node,
                   causal_lm: bool) -> float:
     """Forward FLOPs of the ops that dominate training (2 per multiply-add).
@@ -173,6 +230,8 @@ def _matmul_flops(short: str, ins: list[torch.Tensor], out: torch.Tensor | None,
     if short == "grouped_mm":  # MoE experts: every routed token row x its expert
         x, w = ins[0], ins[1]
         return 2.0 * x.shape[0] * w.shape[-1] * w.shape[-2]
+    if short == "chunk_gated_delta_rule":
+        return _delta_rule_flops(ins[0], ins[2])
     return 0.0
 
 
@@ -193,7 +252,7 @@ class _ThreadFilter(logging.Filter):
         return record.thread != self.thread
 
 
-def _export(model: nn.Module, batch_size: int, seq_len: int) -> torch.export.ExportedProgram:
+def _export(model: nn.Module, batch_size: int, seq_len: int, fused: bool) -> torch.export.ExportedProgram:
     # the ids live where the weights do: torch 2.11's fake tensors refuse a CPU model's
     # embedding of meta ids (2.13 lets the meta device win)
     device = next((p.device for p in model.parameters()), torch.device("meta"))
@@ -207,11 +266,15 @@ def _export(model: nn.Module, batch_size: int, seq_len: int) -> torch.export.Exp
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     quiet = _ThreadFilter(threading.get_ident())
     fake_log.addFilter(quiet)
+    if fused:
+        _fused_delta_rule(model)
+    _TRACING.delta_rule = fused
     try:
         return torch.export.export(model, (ids,), kwargs, strict=False)
     except Exception as e:  # torch.export raises many unrelated types; report one line
         raise ConfigError(f"model: torch.export failed on {type(model).__name__}: {str(e).splitlines()[0]}") from e
     finally:
+        _TRACING.delta_rule = False
         fake_log.removeFilter(quiet)
 
 
@@ -312,6 +375,15 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
         if short == "scaled_dot_product_attention":  # one exp per attention score, both ways
             scores = fwd / (4.0 * ins[0].shape[-1])
             trans = (scores, scores)
+        elif short == "chunk_gated_delta_rule":
+            # exp of each chunk's C x C decay mask, per token and head, both ways; the
+            # kernel writes each chunk's state [dk, dv] per head and reads it back
+            q, v = ins[0], ins[2]
+            chunks = math.ceil(q.shape[1] / _DELTA_CHUNK)
+            scores = float(v.shape[0] * v.shape[2] * chunks * _DELTA_CHUNK * _DELTA_CHUNK)
+            trans = (scores, scores)
+            nbytes += 2.0 * v.shape[0] * v.shape[2] * chunks * q.shape[-1] * v.shape[-1] * v.element_size()
+            bwd_bytes = nbytes
         elif short == "cross_entropy_loss":
             # log-softmax over the vocabulary, then a gather: one exp per logit; the
             # backward zero-fills the logits' gradient, scatters into it, and runs
@@ -359,7 +431,7 @@ def build_graph(program: torch.export.ExportedProgram, causal_lm: bool = False,
 # keeps its log-probabilities, not the logits (planner.strategies counts them).
 _SAVES_INPUTS = {"linear", "addmm", "mm", "bmm", "matmul", "mul", "div", "pow", "silu", "gelu",
                  "scaled_dot_product_attention", "layer_norm", "native_layer_norm", "rms_norm",
-                 "grouped_mm", "log", "index", "gather"}
+                 "grouped_mm", "log", "index", "gather", "chunk_gated_delta_rule"}
 
 
 def floating(dtype: str) -> bool:
@@ -590,13 +662,17 @@ def layer_signature(graph: nx.DiGraph, layer: int, prefix: str) -> tuple:
 
 
 def trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_size: int = 1,
-          seq_len: int | None = None, dtype: torch.dtype = torch.float32) -> nx.DiGraph:
+          seq_len: int | None = None, dtype: torch.dtype = torch.float32,
+          fused_kernels: bool = False) -> nx.DiGraph:
     """Trace ``model`` (preset, config.json path, HF config dict/object, or nn.Module),
     built in ``dtype`` (a module as it is): the training dtype, so the graph shows which
     ops run in fp32 anyway (Hugging Face's norms and loss upcast).  ``seq_len``
-    defaults as everywhere (``presets.default_seq_len``)."""
+    defaults as everywhere (``presets.default_seq_len``).  ``fused_kernels``: the
+    chunked delta rule as the one kernel a GPU runs (``_fused_delta_rule``), not the
+    PyTorch fallback a CPU runs."""
     with _executor_rng_suspended():
-        return _trace(model, batch_size, default_seq_len(model) if seq_len is None else seq_len, dtype)
+        return _trace(model, batch_size, default_seq_len(model) if seq_len is None else seq_len, dtype,
+                      fused_kernels)
 
 
 def _executor_rng_suspended() -> AbstractContextManager:
@@ -610,7 +686,7 @@ def _executor_rng_suspended() -> AbstractContextManager:
 
 
 def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_size: int,
-           seq_len: int, dtype: torch.dtype) -> nx.DiGraph:
+           seq_len: int, dtype: torch.dtype, fused: bool) -> nx.DiGraph:
     if batch_size <= 0:
         raise ConfigError(f"batch_size: must be positive, got {batch_size}")
     if seq_len <= 0:
@@ -631,7 +707,7 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
         exported = build_model(_truncated(config, _traced_prefix(kinds)), "meta", dtype)
     causal_lm = getattr(getattr(exported, "config", None), "is_decoder", False) or hasattr(
         exported, "generate")
-    graph = build_graph(_export(exported, batch_size, seq_len), causal_lm, _aliases(exported))
+    graph = build_graph(_export(exported, batch_size, seq_len, fused), causal_lm, _aliases(exported))
     prefixes = {_layer_of(d["module"])[0] for _, d in graph.nodes(data=True)
                 if d["kind"] == "call_function" and _layer_of(d["module"])}
     prefix = prefixes.pop() if len(prefixes) == 1 else None
@@ -645,7 +721,7 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
         if same and (not known or _layer_kinds(exported) == kinds[:traced]):
             weights, stand_ins = _layer_weights(kinds, traced), _stand_ins(kinds, traced)
         else:  # layers differ: export them all
-            graph = build_graph(_export(full, batch_size, seq_len), causal_lm, _aliases(full))
+            graph = build_graph(_export(full, batch_size, seq_len, fused), causal_lm, _aliases(full))
             traced, weights, stand_ins = layers, [1] * layers, list(range(layers))
     if causal_lm and not isinstance(model, nn.Module):
         _price_sliding_windows(graph, config, seq_len, layers, traced, kinds)

@@ -34,7 +34,8 @@ _COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 # architecture job, one rank at a new step's FSDP all-gather while the others waited in
 # a layer's tensor-parallel all-gather, 13 minutes, gloo's timeout not firing) fails the
 # test instead of holding the suite until CI's limit.  The longest job, the architecture
-# one, takes ~3 minutes here (171 s with the pool's start and the references, 52 cases).
+# one, takes ~3 minutes here (171 s with the pool's start and the references, 52 cases, in
+# session 40; 65 cases since session 41, 508 s of setup beside two other 4-rank jobs).
 _JOB_DEADLINE_S = 1200.0
 
 

@@ -48,9 +48,15 @@ LATENT = {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_r
 GEMMA4 = {"head_dim": 8, "global_head_dim": 16, "sliding_window": 8, "vocab_size_per_layer_input": 128,
           "hidden_size_per_layer_input": 8, "final_logit_softcapping": 30.0, "num_kv_shared_layers": 2,
           "use_double_wide_mlp": True, "layer_types": ["sliding_attention", "full_attention"] * 2, **TOKENS}
+# Gated DeltaNet's linear attention beside full attention layers (layers 0 and 2)
+LINEAR = {"head_dim": 8, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+          "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+          "layer_types": ["linear_attention", "full_attention"] * 2, **TOKENS}
 # Kept whole on tp by the hand layouts: low-rank attention's down-projections (as
-# DeepSeek-V3's), Gemma 4's per-layer input projections (hidden to 8 features and back)
-KEPT_WHOLE = re.compile(r"(_a_proj|_a_proj_with_mqa|per_layer_input_gate|per_layer_projection)\.weight$")
+# DeepSeek-V3's), Gemma 4's per-layer input projections (hidden to 8 features and back),
+# linear attention (by every layout: planner.search._KEPT_WHOLE)
+KEPT_WHOLE = re.compile(r"(_a_proj|_a_proj_with_mqa|per_layer_input_gate|per_layer_projection)\.weight$"
+                        r"|\.linear_attn\.")
 CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "qwen3": ("qwen3", {}, TP_SP_FSDP),  # q and k normed per head
     "gemma": ("gemma", {"pad_token_id": 100}, TP_SP_FSDP),  # tied; the padding row in rank 1's vocab shard
@@ -111,6 +117,10 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "gemma4": ("gemma4_text", GEMMA4, TP_SP_FSDP),
     "apertus": ("apertus", TOKENS, TP_SP_FSDP),  # xIELU: constants its constructor sets, lost on meta
     "apertus1p5": ("apertus1p5_text", TOKENS, TP_SP_FSDP),
+    # draws in its __init__ (executor.deferred_init), run on local tensors (local_regions.Whole)
+    "qwen3-5": ("qwen3_5_text", LINEAR, TP_SP_FSDP),
+    "qwen3-5-pp": ("qwen3_5_text", LINEAR, PP_DP),
+    "olmo-hybrid": ("olmo_hybrid", LINEAR, TP_SP_FSDP),  # projections named as attention's
     # GPT-2-era names (n_embd, n_layer, n_head, d_model), read through each config class's attribute_map
     "gpt-bigcode": ("gpt_bigcode", {"n_inner": 64, **TOKENS}, TP_SP_FSDP),  # multi-query: one k/v head in c_attn
     "gpt-bigcode-mha": ("gpt_bigcode", {"n_inner": 64, "multi_query": False, **TOKENS}, TP_SP_FSDP),

@@ -17,7 +17,7 @@ from transformers import GPT2Config, LlamaConfig
 
 from executor import rng
 from executor.deferred_init import materialize, register_init_draws
-from planner.presets import build_model
+from planner.presets import build_model, load_config
 
 SEED = 4321
 LLAMA = dict(
@@ -194,6 +194,30 @@ def test_a_meta_model_equals_the_cpu_build_at_the_same_point_of_the_stream() -> 
     meta = materialize(build_model(LlamaConfig(**LLAMA), "meta"))
     assert all(torch.equal(v, cpu.state_dict()[k]) for k, v in meta.state_dict().items())
     assert torch.equal(torch.rand(2), after_cpu)
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "qwen3_5_text", "layer_types": ["linear_attention", "full_attention"]},
+    {"model_type": "olmo_hybrid", "layer_types": ["linear_attention", "full_attention"]},
+    {"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"], "num_experts": 4,
+     "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
+    {"model_type": "apertus"},
+], ids=lambda c: c["model_type"])
+def test_modules_that_draw_in_their_init_build_as_on_cpu(config: dict) -> None:
+    """Gated DeltaNet draws A (and OLMo Hybrid's dt) in ``__init__``, outside
+    ``reset_parameters``, which a meta build skips: every later draw of the model came
+    out shifted, the same on every rank, so the tests that compare ranks with a meta
+    build on one device could not see it.  Apertus' xIELU sets constants there."""
+    config = load_config({**config, "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+                          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "head_dim": 8, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8,
+                          "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                          "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None})
+    rng.manual_seed(SEED)
+    cpu = build_model(config, "cpu").state_dict()
+    meta = materialize(build_model(config, "meta"), seed=SEED).state_dict()
+    assert cpu.keys() == meta.keys()
+    assert [k for k, v in meta.items() if not torch.equal(v, cpu[k])] == []
 
 
 class _DrawsInInit(nn.Module):
