@@ -696,8 +696,8 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
         full, exported, layers, kinds, known = model, model, None, [], False
     else:
         config = load_config(model)
-        max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-        if max_pos and seq_len > max_pos:
+        max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None)
+        if max_pos and seq_len > max_pos:  # (MPT's alibi table: a broadcast error in torch.export)
             raise ConfigError(f"seq_len: {seq_len} exceeds the model's {max_pos} positions")
         layers = _num_layers(config)
         full = build_model(config, "meta", dtype)

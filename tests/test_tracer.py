@@ -277,6 +277,14 @@ def test_bad_configs_give_one_line_errors(config, field, says):
     assert says in msg
 
 
+@pytest.mark.parametrize("config", [{**LLAMA, "max_position_embeddings": 64}, {**GPT2, "n_positions": 64},
+                                    {"model_type": "mpt", "vocab_size": 128, "d_model": 32, "n_heads": 4,
+                                     "n_layers": 2, "max_seq_len": 64}], ids=["llama", "gpt2", "mpt"])
+def test_a_sequence_beyond_the_models_positions_is_refused(config) -> None:
+    with pytest.raises(ConfigError, match=r"^seq_len: 128 exceeds the model's 64 positions$"):
+        trace(config, 1, 128)
+
+
 def test_sizes_the_checks_let_through() -> None:
     """Refused before session 40 though transformers builds them: GLM-4.7-Flash's latent
     attention, whose 20 heads have a width of their own ("hidden_size: 2048 is not
