@@ -499,9 +499,14 @@ def default_seq_len(source: Any) -> int:
     the model's maximum positions, capped at ``DEFAULT_SEQ_LEN_CAP``; the cap for a
     module without a config."""
     config = getattr(source, "config", None) if isinstance(source, nn.Module) else load_config(source)
-    # (GPT-2's n_positions is its max_position_embeddings; MPT's alibi is built for max_seq_len)
-    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None)
-    return min(DEFAULT_SEQ_LEN_CAP, max_pos or DEFAULT_SEQ_LEN_CAP)
+    return min(DEFAULT_SEQ_LEN_CAP, max_positions(config) or DEFAULT_SEQ_LEN_CAP)
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest sequence the model takes, where its config says (GPT-2's n_positions is
+    its max_position_embeddings through the attribute_map; MPT's alibi table is built for
+    max_seq_len)."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None)
 
 
 def model_name(source: Any) -> str:

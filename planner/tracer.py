@@ -71,7 +71,14 @@ import torch
 from torch import fx, nn
 from transformers import PretrainedConfig
 
-from planner.presets import ConfigError, build_model, default_seq_len, load_config, model_name
+from planner.presets import (
+    ConfigError,
+    build_model,
+    default_seq_len,
+    load_config,
+    max_positions,
+    model_name,
+)
 
 TRACED_LAYERS = 2
 _LAYER_RE = re.compile(r"^(?P<prefix>.*?\.(?:layers|h))\.(?P<idx>\d+)(?:\.|$)")
@@ -696,7 +703,7 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
         full, exported, layers, kinds, known = model, model, None, [], False
     else:
         config = load_config(model)
-        max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None)
+        max_pos = max_positions(config)
         if max_pos and seq_len > max_pos:  # (MPT's alibi table: a broadcast error in torch.export)
             raise ConfigError(f"seq_len: {seq_len} exceeds the model's {max_pos} positions")
         layers = _num_layers(config)
