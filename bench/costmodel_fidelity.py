@@ -86,7 +86,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 import executor
 import planner
 from cost_model.calibrate import (
+    SYNC_REPEATS,
     OperandSizes,
+    Sync,
     _repeats,
     cold_gemm_time,
     collective_medians,
@@ -95,6 +97,7 @@ from cost_model.calibrate import (
     dtensor_collectives,
     measure_device,
     profile_from_job,
+    sync_samples,
     together,
 )
 from cost_model.comm import collective_time
@@ -411,6 +414,7 @@ def _worker(rank: int, plans: dict[str, str], init_file: str, out: str, warmup: 
         thirds = [share(steps, part) for part in range(parts)]
         samples: dict[int, dict[tuple[str, int], list[float]]] = {g: {} for g in GROUPS}
         devices: list[Any] = []
+        sync: dict[int, dict[int, list[Sync]]] = {}
         micro: dict[str, list[float]] = {}
         times: dict[str, list[list[float]]] = {}
         for part, n in enumerate(thirds):
@@ -433,9 +437,12 @@ def _worker(rank: int, plans: dict[str, str], init_file: str, out: str, warmup: 
                     if checked:
                         micro.setdefault(f"{kind} {nbytes}", []).extend(ts[runs - 1::runs])
             if calibrate:
+                for g, by_k in sync_samples(chunk, groups, share(SYNC_REPEATS, part)).items():
+                    for k, rows in by_k.items():
+                        sync.setdefault(g, {}).setdefault(k, []).extend(rows)
                 devices += _all_ranks(measure_device(WORLD))
         job = {"collectives": {g: collective_medians(s) for g, s in samples.items()},
-               "device": devices, "ranks": WORLD} if calibrate else None
+               "device": devices, "ranks": WORLD, "sync": sync} if calibrate else None
         result: dict[str, Any] = {"times": times, "job": job, "micro": micro}
         result["collectives"] = counted
         dist.barrier()
@@ -527,7 +534,7 @@ def _same_plan(a: planner.Plan, b: planner.Plan) -> bool:
 
 
 def _step_table(results: list[dict], priced: dict[str, planner.Plan], ran: dict[str, str],
-                profile: dict) -> None:
+                profile: dict, as_calibrated: dict[str, planner.Plan]) -> None:
     m = MODEL
     print(f"\n== Step time: Llama h{m['hidden_size']} L{m['num_hidden_layers']} heads "
           f"{m['num_attention_heads']}/{m['num_key_value_heads']} ffn {m['intermediate_size']} "
@@ -567,6 +574,15 @@ def _step_table(results: list[dict], priced: dict[str, planner.Plan], ran: dict[
     for text, sep in swapped:
         print(f"  {text}: {'separated' if sep else 'not separated'} by the rounds (sign test, 5%)")
     print(f"  identical ranking up to pairs the rounds do not separate: {not any(sep for _, sep in swapped)}")
+    # the same plans priced without sync_cost (every collective as calibrated, whatever
+    # the compute before it): the model before session 42, on the same measurements
+    flat = [as_calibrated[n].prediction.time.step_time_s for n in names]
+    print(f"  without sync_cost: MAPE {statistics.mean(abs(p - m) / m for p, m in zip(flat, measured, strict=True)):.0%}; "
+          f"Spearman rho {_spearman(measured, flat):+.2f}; identical ranking: {_rank_order(measured) == _rank_order(flat)}; "
+          "predicted " + ", ".join(f"{n} {t:.3f}" for n, t in zip(names, flat, strict=True)))
+    flat_swapped = _discordant(names, per_round, measured, flat)
+    print(f"  without sync_cost, identical up to pairs the rounds do not separate: "
+          f"{not any(sep for _, sep in flat_swapped)}")
 
     per_rank = [r["times"][LOCAL] for r in results]
     fwd, bwd, opt, step, _ = _medians(_slowest_rank(per_rank))
@@ -677,7 +693,8 @@ def main(argv: list[str] | None = None) -> None:
         profile = load_profile(args.profile).model_dump()
         print(f"profile: {args.profile} ({profile['source']})")
         predicted = {layout.name: layout.plan(profile) for layout in LAYOUTS}
-        _step_table(results, predicted, plans, profile)
+        as_calibrated = {layout.name: layout.plan(dict(profile, sync_cost=[])) for layout in LAYOUTS}
+        _step_table(results, predicted, plans, profile, as_calibrated)
         _collective_table(results, profile)
     _no_comm_table(results, predicted, profile)
     print(f"\nend {time.strftime('%H:%M:%S UTC', time.gmtime())}; load average {_load()}")

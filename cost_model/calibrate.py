@@ -741,6 +741,61 @@ def timed_between_compute(
             for a, b in zip(slow[:repeats], slow[repeats:], strict=True)]
 
 
+SYNC_CHUNKS = (0, 1, 4, 12)  # compute before each synchronisation timed, in calibrate's chunks
+SYNC_REPEATS = 7
+Sync = tuple[float, float]  # the ranks' mean compute s, what the all-reduce added s
+
+
+def sync_samples(chunk: Callable[[], None], groups: dict[int, dist.ProcessGroup | None], repeats: int,
+                 iterations: int = 4) -> dict[int, dict[int, list[Sync]]]:
+    """What a 4-byte all-reduce (synchronisation, next to no transfer) adds to a loop of
+    compute as long as ``SYNC_CHUNKS`` chunks, per group size (``groups``: this rank's
+    group of each size, every group at once), timed as ``timed_between_compute`` times
+    the collectives the model is fitted to: per repeat, every rank times ``iterations`` x
+    [compute] and ``iterations`` x [compute, all-reduce] after a barrier, and the
+    all-reduce's time is the difference of the slowest rank's loops per iteration.  Only
+    the compute's length varies, so at one chunk this is what the fitted constants hold.
+    Per repeat also the ranks' mean compute per iteration.  The same on every rank; call
+    it on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def loop(chunks: int, sync: Callable[[], object] | None) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iterations):
+            for _ in range(chunks):
+                chunk()
+            if sync is not None:
+                sync()
+        return time.perf_counter() - t0
+
+    out: dict[int, dict[int, list[Sync]]] = {}
+    for g, group in groups.items():
+        tiny = _collective("all_reduce", 4, g, rank % g, group)
+        tiny()
+        for k in SYNC_CHUNKS:
+            own = torch.tensor([loop(k, sync) for _ in range(repeats) for sync in (None, tiny)],
+                               dtype=torch.float64)
+            every = [torch.zeros_like(own) for _ in range(world)]
+            dist.all_gather(every, own)
+            a, b = torch.stack(every)[:, 0::2], torch.stack(every)[:, 1::2]  # ranks x repeats
+            out.setdefault(g, {})[k] = [(float(a[:, r].mean()) / iterations,
+                                         float(b[:, r].max() - a[:, r].max()) / iterations) for r in range(repeats)]
+    return out
+
+
+def sync_cost(samples: dict[int, dict[int, list[Sync]]]) -> list[dict[str, Any]]:
+    """``Profile.sync_cost`` from ``sync_samples``' repeats (several calls' merged):
+    medians per group size and length, the point at no compute at 0; ``held_s`` is the
+    point at one chunk, the compute calibrate times collectives after."""
+    out = []
+    for g, by_k in sorted(samples.items()):
+        points = [{"compute_s": 0.0 if k == 0 else statistics.median(s[0] for s in rows),
+                   "added_s": max(0.0, statistics.median(s[1] for s in rows))} for k, rows in sorted(by_k.items())]
+        out.append({"size": g, "held_s": points[SYNC_CHUNKS.index(1)]["added_s"], "points": points})
+    return out
+
+
 def collective_samples(
     size: int,
     sizes: Sequence[int],
@@ -788,6 +843,10 @@ def measure_job(groups: Sequence[int], sizes: Sequence[int],
     for g in groups:
         say(f"collectives in groups of {g}: {len(COLLECTIVE_KINDS)} kinds x {len(sizes)} sizes")
         result["collectives"][g] = collective_medians(collective_samples(g, sizes, chunk))
+    say("synchronisation after compute")
+    world = dist.get_world_size()
+    result["sync"] = sync_samples(chunk, {g: dist.new_subgroups(g)[0] if g < world else None for g in groups},
+                                  SYNC_REPEATS)
     dist.barrier()
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, measure_device(dist.get_world_size(), say))
@@ -1053,6 +1112,11 @@ def profile_from_job(
         f"{device['floor'] * 1e6:.1f} us, DTensor +{device['dtensor'] * 1e6:.1f} us, "
         f"DTensor redistribution +{device['redistribute'] * 1e6:.0f} us"
     )
+    sync = sync_cost(result["sync"]) if result.get("sync") else []
+    for g in sync:
+        progress(f"  synchronising groups of {g['size']} adds " + ", ".join(
+            f"{p['added_s'] * 1e3:.2f} ms after {p['compute_s'] * 1e3:.1f}" for p in g["points"])
+            + f" ms of compute; the collectives' prices hold {g['held_s'] * 1e3:.2f} ms")
     latency, busbw, _ = fit_collectives(samples)
     profile = Profile(
         name=name,
@@ -1077,6 +1141,7 @@ def profile_from_job(
         dtensor_redistribute_s=device["redistribute"],
         levels=[{"name": "loopback", "devices": None, "busbw": busbw, "latency_s": latency,
                  "groups": groups}],
+        sync_cost=sync,
     )
     error = statistics.median(_relative_errors(profile, [
         (k, g, n, t) for g in sizes for k, n, t in result["collectives"][g]]))
@@ -1098,7 +1163,8 @@ def profile_from_job(
         f"rank's, median of {_repeats(0)} interleaved repeats ({_repeats(4 * 2**20)} from 4 MB, "
         f"{_repeats(32 * 2**20)} from 32 MB), "
         f"latency and busbw fitted per group size (groups) and over all sizes (level default) "
-        f"to the times less the fresh pages of gloo's staging buffer; "
+        f"to the times less the fresh pages of gloo's staging buffer; sync_cost: a 4-byte all-reduce "
+        f"timed the same way between {list(SYNC_CHUNKS)} chunks, median of {SYNC_REPEATS} repeats; "
         f"median relative error of the collective model {error:.0%}"
     )})
     return profile

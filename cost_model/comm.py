@@ -73,6 +73,7 @@ than partial).  ``redistribute_cost`` returns both directions.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from collections.abc import Sequence
@@ -189,6 +190,37 @@ def collective_time(
 def collective_latency(profile: Profile, kind: str, mesh_shape: Sequence[int], dim: int) -> float:
     """The fixed part of ``collective_time``: what one more collective costs, whatever its size."""
     return _phases(profile, kind, 0.0, mesh_shape, dim)[0]
+
+
+def sync_added(points: Sequence[tuple[float, float]], compute_s: float) -> float:
+    """Seconds a group's synchronisation adds after ``compute_s`` of compute, from
+    (compute s, added s) points sorted by compute from 0: linear between points, the
+    last point's beyond it (a loop of 12 chunks on each side measures the longest
+    stretch; past it nothing says how the cost grows)."""
+    for (a, ya), (b, yb) in itertools.pairwise(points):
+        if compute_s <= b:
+            return ya + (yb - ya) * (max(compute_s, 0.0) - a) / (b - a)
+    return points[-1][1]
+
+
+def sync_correction(profile: Profile, group: int, compute_s: float) -> float:
+    """Seconds a blocking collective among ``group`` ranks costs beyond ``collective_time``
+    when the rank computed ``compute_s`` since its previous collective (any group's).
+
+    Ranks that share cores drift apart while they compute, and a collective first waits
+    for its group's slowest rank (session 36 measured those waits in the fidelity bench's
+    steps: ~6.5 ms for a group of 4 behind a whole block, ~1.3 ms for a pair right after
+    another collective), while other ranks may use its core.  ``Profile.sync_cost`` holds
+    what a synchronisation adds by the compute before it, timed as calibrate times the
+    collectives; their fitted constants hold ``held_s`` of it, so the correction is the
+    difference: positive behind long stretches of compute, negative right after another
+    collective.  0 where the profile measured none (GPU profiles) or for a group of 1.
+    """
+    if not profile.sync_cost or group < 2:
+        return 0.0
+    below = [g for g in profile.sync_cost if g.size <= group]
+    fit = max(below, key=lambda g: g.size) if below else min(profile.sync_cost, key=lambda g: g.size)
+    return sync_added([(p.compute_s, p.added_s) for p in fit.points], compute_s) - fit.held_s
 
 
 def _phases(
@@ -322,6 +354,14 @@ def _transitions(
             steps.append((m, cur[m], dst[m]))
             cur[m] = dst[m]
     return tuple(steps)
+
+
+def redistribute_collectives(
+    mesh_shape: Sequence[int], src: Sequence[str], dst: Sequence[str], device_type: str = "cuda"
+) -> list[tuple[str, int]]:
+    """(collective, mesh dim) of each collective a redistribution issues, in order."""
+    return [(kind, m) for m, a, b in transitions(mesh_shape, src, dst)
+            if int(mesh_shape[m]) > 1 and (kind := step_collective(a, b, device_type)) is not None]
 
 
 def step_collective(a: str, b: str, device_type: str = "cuda") -> str | None:

@@ -150,6 +150,41 @@ class FsdpOverhead(_Strict):
     byte_s: float = Field(ge=0, description="per byte of the unit's unsharded parameters, s")
 
 
+class SyncPoint(_Strict):
+    compute_s: float = Field(ge=0, description="compute before each collective (the ranks' mean), s")
+    added_s: float = Field(ge=0, description="what a 4-byte all-reduce among the group then adds, "
+                           "timed as calibrate times collectives, s")
+
+
+class GroupSync(_Strict):
+    """What synchronising a group costs by the compute before it, for one group size.
+
+    Ranks that share cores drift apart while they compute, so a collective after a long
+    stretch waits longer for its group's slowest rank than one right after another
+    collective, and while it waits other ranks may use its core.  Measured as calibrate
+    times collectives (what one adds to the slowest rank's loop of compute chunks), with
+    the compute's length varied: a 4-byte all-reduce, all synchronisation and no
+    transfer, after 0, 1, 4 and 12 chunks, every group at once.  The collectives' fitted
+    constants hold the point at one chunk (``held_s``), so a collective after ``s`` of
+    compute costs ``added(s) - held_s`` beyond its price
+    (``cost_model.comm.sync_correction``; docs/cost_model.md, Step composition).
+    """
+
+    size: int = Field(ge=2, description="ranks in the group these points were measured with")
+    held_s: float = Field(ge=0, description="added_s after calibrate's own chunk: what the "
+                          "collectives' fitted constants hold of it, s")
+    points: list[SyncPoint] = Field(min_length=2, description="by compute_s, from 0; interpolated "
+                                    "linearly, held at the last point's beyond it")
+
+    @field_validator("points")
+    @classmethod
+    def _sorted(cls, points: list[SyncPoint]) -> list[SyncPoint]:
+        xs = [p.compute_s for p in points]
+        if xs != sorted(set(xs)) or xs[0] != 0:
+            raise ValueError("points must start at compute_s 0 and have strictly increasing compute_s")
+        return points
+
+
 class Profile(_Strict):
     """Per-device compute and memory plus the network, innermost level first."""
 
@@ -273,6 +308,22 @@ class Profile(_Strict):
         "profile, 1 on a cpu one",
     )
     levels: list[NetworkLevel] = Field(min_length=1, description="network levels, innermost first")
+    sync_cost: list[GroupSync] = Field(
+        default_factory=list,
+        description="what synchronising a group costs a step by the compute before the "
+        "collective, per measured group size (a group uses the largest measured size not "
+        "above its own, the smallest below them all); each blocking collective is charged "
+        "the difference from what its calibrated price holds. Empty: no correction (GPU "
+        "profiles: a rank per device, nothing shares its cores)",
+    )
+
+    @field_validator("sync_cost")
+    @classmethod
+    def _distinct_sizes(cls, groups: list[GroupSync]) -> list[GroupSync]:
+        sizes = [g.size for g in groups]
+        if len(sizes) != len(set(sizes)):
+            raise ValueError(f"group sizes must be distinct, got {sizes}")
+        return groups
 
     @field_validator("gemm_efficiency", "attention_curve", "gemm_columns")
     @classmethod

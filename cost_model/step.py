@@ -4,6 +4,11 @@ Assumptions (each is what the executor's runtime does, or a stated simplificatio
 
 * Blocking communication (TP/SP collectives, activation resharding, pipeline
   send/recv) sits on the critical path: it is never overlapped.
+* Where ranks share cores (a CPU profile's ``sync_cost``), each collective also waits
+  for its group's slowest rank, longer the longer the compute since the rank's previous
+  collective (``sync_correction_s``, ``planner.timeline``): added to the exposed
+  communication, negative where collectives follow one another more closely than
+  calibration's.
 * FSDP parameter all-gathers (``fsdp_gathers`` per unit and step) are prefetched one
   layer ahead (FSDP2's default forward/backward prefetch): with ``layers`` equal
   units, the first unit's gather is exposed and every later one runs concurrently
@@ -59,10 +64,14 @@ class StageCost:
     optimizer_s: float = 0.0  # optimizer step, once per step
     layers: int = 1  # equal units that FSDP prefetch pipelines over
     overlap_exposure: float = 0.0  # Profile.overlap_exposure: cost of a collective run behind compute
+    # what the collectives' waits for their group's slowest rank add to their prices
+    # (planner.timeline, cost_model.comm.sync_correction; negative where they follow
+    # other collectives closely)
+    sync_correction_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if value < 0:
+            if value < 0 and name != "sync_correction_s":
                 raise ValueError(f"StageCost.{name}: must be >= 0, got {value}")
         if self.layers < 1:
             raise ValueError(f"StageCost.layers: must be >= 1, got {self.layers}")
@@ -111,7 +120,8 @@ def _microbatch(stage: StageCost, last: bool) -> tuple[float, float]:
     hidden = exposed(stage.gather_forward_s, stage.forward_compute_s, stage.layers, x) + exposed(
         stage.gather_backward_s + behind, stage.backward_compute_s, stage.layers, x
     )
-    return compute, stage.blocking_comm_s + stage.p2p_s + hidden + reduce - behind
+    comm = stage.blocking_comm_s + stage.p2p_s + hidden + reduce - behind
+    return compute, max(0.0, comm + stage.sync_correction_s)
 
 
 def compose_step(
@@ -146,16 +156,15 @@ def compose_step(
     compute = m * c
     exposed_comm = (m - 1) * e + e_last
     optimizer = max(s.optimizer_s for s in stages)
-    communication = m * (
-        slow.blocking_comm_s + slow.p2p_s + slow.gather_forward_s + slow.gather_backward_s
-    )
+    communication = m * max(0.0, slow.blocking_comm_s + slow.sync_correction_s + slow.p2p_s
+                            + slow.gather_forward_s + slow.gather_backward_s)
     return StepBreakdown(
         step_time_s=compute + exposed_comm + bubble + optimizer,
         compute_s=compute,
         recompute_s=m * slow.recompute_s,
         communication_s=communication + slow.grad_reduce_s,
         exposed_communication_s=exposed_comm,
-        resharding_s=m * slow.blocking_comm_s,
+        resharding_s=m * max(0.0, slow.blocking_comm_s + slow.sync_correction_s),
         pipeline_bubble_s=bubble,
         optimizer_s=optimizer,
     )

@@ -97,6 +97,7 @@ class Tensor:
     weight: float  # real tensors this canonical one stands for
     consumers: set[str] = field(default_factory=set)  # unit keys
     rerun: bool = False  # a checkpointed layer's recomputation redistributes it again
+    edges: list[tuple[str, str]] = field(default_factory=list)  # (producer, consumer) traced nodes
 
 
 def tensors(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dict[str, str],
@@ -121,6 +122,7 @@ def tensors(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: di
             t.rerun = t.rerun or d.get("rerun", False)
             counted.add(u)
         t.consumers.add(unit_of[v])
+        t.edges.append((u, v))
     return out
 
 

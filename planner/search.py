@@ -40,7 +40,15 @@ from cost_model.step import (
     optimizer_time,
     partial_grad_time,
 )
-from planner.ilp import InfeasibleError, Solution, min_memory, solve, tensors, unbounded_memory
+from planner.ilp import (
+    InfeasibleError,
+    Solution,
+    Tensor,
+    min_memory,
+    solve,
+    tensors,
+    unbounded_memory,
+)
 from planner.pipeline import (
     SCHEDULES,
     Stage,
@@ -88,6 +96,7 @@ from planner.strategies import (
     unit_params,
     unplaced_compute_s,
 )
+from planner.timeline import sync_corrections
 from planner.tracer import totals, trace
 
 Progress = Callable[[str], None]
@@ -230,8 +239,10 @@ def _partial_grads(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit], s
     return out
 
 
-def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution) -> Prediction:
-    """Step time and memory of a solved assignment without pipelining (``cost_model.step``)."""
+def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solution,
+             unit_of: Mapping[str, str], tensor_map: Mapping[str, Tensor]) -> Prediction:
+    """Step time and memory of a solved assignment without pipelining (``cost_model.step``),
+    its collectives priced by the compute before each (``planner.timeline``)."""
     chosen = sol.choice.values()
     placed = _placed(chosen)
     m = ctx.microbatches
@@ -246,14 +257,15 @@ def evaluate(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], sol: Solut
     state = [sum(c.state[i] for c in chosen) for i in range(3)]
     compute += fsdp_host_s(ctx, graph.graph["layers"] + 1, state[0]) + fsdp_copy_s(
         ctx, sum(c.state[0] * units[k].gathers for k, c in sol.choice.items()), state[0], ctx.grad_reductions)
+    partial = _partial_grads(ctx, graph, units, sol, placed)
     # backward = 2x forward, plus what checkpointing recomputes
     recompute = sum(c.recompute_s for c in chosen)
     fwd = (compute - recompute) / 3
     stage = StageCost(
         forward_compute_s=fwd / m, backward_compute_s=(compute - fwd) / m, recompute_s=recompute / m,
         blocking_comm_s=(sol.reshard_s + sum(c.comm_s for c in chosen)) / m + loss_mean_s(ctx)
-        + partial_grad_time(ctx.profile, ctx.mesh_shape, [e[1:] for e in _partial_grads(ctx, graph, units, sol, placed)],
-                            bucketed=ctx.data_ranks == 1),
+        + partial_grad_time(ctx.profile, ctx.mesh_shape, [e[1:] for e in partial], bucketed=ctx.data_ranks == 1),
+        sync_correction_s=sync_corrections(ctx, graph, units, unit_of, tensor_map, sol, partial),
         gather_forward_s=gather / (2 * m),
         gather_backward_s=gather / (2 * m), grad_reduce_s=sum(c.grad_sync_s for c in chosen) + reduce_lat,
         grad_reduce_parts=ctx.grad_reductions,
@@ -321,7 +333,7 @@ def _solve(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dic
             e.need += gathered
         raise
     if pp == 1:
-        pred = evaluate(ctx, graph, units, sol)
+        pred = evaluate(ctx, graph, units, sol, unit_of, tmap)
         if not pred.memory.fits and not lift_memory:  # the layout gathers more than estimated
             raise InfeasibleError(f"the layout needs {binary_size(pred.memory.total, 1)} per device",
                                   need=pred.memory.total)

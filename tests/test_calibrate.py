@@ -251,7 +251,7 @@ def test_calibrate_small_run_writes_a_loadable_profile(tmp_path):
     assert any("groups of [2]" in m for m in messages) and messages[-1].startswith("wrote")
     # the ranks' phases reach the caller as they start, with the seconds since the job began
     phases = [re.fullmatch(r"  \[ *\d+ s\] (.+) \.\.\.", m) for m in messages[1:-1]]
-    names = ["collectives in groups of 2", "op dispatch", "GEMMs", "memory", "fused attention", "host time"]
+    names = ["collectives in groups of 2", "synchronisation after compute", "op dispatch", "GEMMs", "memory", "fused attention", "host time"]
     started = [m[1] for m in phases if m]
     assert len(started) == len(names), started
     assert all(s.startswith(n) for s, n in zip(started, names, strict=True)), started
@@ -285,6 +285,12 @@ def test_calibrate_small_run_writes_a_loadable_profile(tmp_path):
     assert profile.dtensor_node_host_s > profile.kernel_floor_s
     assert set(profile.fsdp_overhead) == {"replicate", "fully_shard"}
     assert all(o.unit_s + o.byte_s > 0 for o in profile.fsdp_overhead.values())
+    # what synchronising a group costs after compute, for the group size measured: a point
+    # at no compute and one per length of calibrate's chunks; the prices hold some of it
+    (sync,) = profile.sync_cost
+    assert sync.size == 2 and [p.compute_s > 0 for p in sync.points] == [False, True, True, True]
+    assert 0 <= sync.held_s < 1.0
+    assert any(m.startswith("  synchronising groups of 2 adds") for m in messages)
 
 
 def test_ctrl_c_stops_every_rank_at_once(tmp_path):

@@ -20,6 +20,7 @@ from cost_model.comm import (
     redistribute_cost,
     redistribute_time,
     step_collective,
+    sync_correction,
     transitions,
 )
 from cost_model.compute import attention_efficiency, gemm_efficiency, op_time
@@ -1205,3 +1206,46 @@ def test_profile_numbers_are_numbers_and_whole_floats_are_ints():
     for bad in (True, "80000000000", 80e9 + 0.5):
         with pytest.raises(ValidationError, match="memory_bytes"):
             load_profile({**base, "memory_bytes": bad})
+
+
+def _synced(groups: dict[int, tuple[float, list[tuple[float, float]]]]) -> Profile:
+    return Profile.model_validate({**load_profile("cpu-gloo-local").model_dump(), "name": "synced", "sync_cost": [
+        {"size": g, "held_s": held, "points": [{"compute_s": t, "added_s": a} for t, a in pts]}
+        for g, (held, pts) in groups.items()]})
+
+
+def test_sync_correction_is_what_synchronising_adds_after_the_compute_less_what_the_price_holds():
+    """Hand-computed: synchronising adds 1 ms after no compute, 3 ms after 10 ms and 9 ms
+    after 40 ms (linear between, the last point's beyond); the prices hold 2 ms."""
+    prof = _synced({2: (0.002, [(0.0, 0.001), (0.01, 0.003), (0.04, 0.009)])})
+    assert sync_correction(prof, 2, 0.02) == pytest.approx(0.003 + 0.006 / 3 - 0.002)
+    assert sync_correction(prof, 2, 0.0) == pytest.approx(-0.001)  # right after another collective
+    assert sync_correction(prof, 2, 0.1) == pytest.approx(0.009 - 0.002)  # held past the last point
+    corrections = [sync_correction(prof, 2, t) for t in (0.0, 0.001, 0.005, 0.01, 0.03, 0.1, 1.0)]
+    assert corrections == sorted(corrections)  # more compute never costs less here
+    assert sync_correction(prof, 1, 0.02) == 0.0
+    # none on a GPU profile: a rank per device
+    assert all(not load_profile(name).sync_cost for name in shipped_profiles() if "cpu" not in name)
+    assert sync_correction(load_profile("h100-sxm-80g"), 8, 0.05) == 0.0
+
+
+def test_sync_correction_takes_the_largest_measured_group_not_above_its_own():
+    prof = _synced({2: (0.0, [(0.0, 0.0), (0.01, 0.001)]), 4: (0.0, [(0.0, 0.0), (0.01, 0.003)])})
+    assert sync_correction(prof, 2, 0.005) == pytest.approx(0.0005)
+    assert sync_correction(prof, 3, 0.005) == pytest.approx(0.0005)
+    assert sync_correction(prof, 8, 0.005) == pytest.approx(0.0015)
+    only4 = _synced({4: (0.0, [(0.0, 0.0), (0.01, 0.003)])})
+    assert sync_correction(only4, 2, 0.005) == pytest.approx(0.0015)
+
+
+@pytest.mark.parametrize("points", [[(0.04, 0.004), (0.01, 0.002)], [(0.01, 0.002), (0.04, 0.004)], [(0.0, 0.001)]])
+def test_sync_cost_errors_name_the_field(points):
+    with pytest.raises(ValidationError, match=r"sync_cost\.0\.points"):
+        _synced({2: (0.0, points)})
+
+
+def test_sync_cost_group_sizes_are_distinct():
+    data = _synced({2: (0.0, [(0.0, 0.0), (0.01, 0.001)])}).model_dump()
+    data["sync_cost"].append(data["sync_cost"][0])
+    with pytest.raises(ValidationError, match=r"sync_cost\n.*group sizes must be distinct"):
+        Profile.model_validate(data)

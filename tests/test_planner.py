@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -1314,3 +1315,34 @@ def test_a_pipeline_layout_whose_stages_fit_is_not_refused() -> None:
                                     "memory_bytes": int(need * base.memory_bytes / usable_bytes(base)) + 1024})
     plan = planner.hand_plan("llama-tiny", 4, tight, **layout)
     assert plan.prediction.memory.fits and plan.prediction.memory.total == need
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_sync_corrections_count_every_second_of_compute_once(microbatches):
+    """With a synchronisation cost that is a fixed share of the compute before each
+    collective (and calibration held none of it), a data-parallel step's corrections are
+    that share of all its units' compute: its last collective (the root's gradients) follows the whole
+    backward, so the stretches between collectives partition the compute, each layer's
+    nodes counted once per layer the model has."""
+    from cost_model.profile import Profile, load_profile
+    from planner.ilp import Solution, tensors
+    from planner.search import _context
+    from planner.strategies import build_units, canonical_map
+    from planner.timeline import sync_corrections
+    from planner.tracer import trace
+
+    share = 0.25
+    prof = Profile.model_validate({**load_profile("cpu-gloo-local").model_dump(), "name": "synced", "sync_cost": [
+        {"size": 2, "held_s": 0.0, "points": [{"compute_s": 0.0, "added_s": 0.0},
+                                              {"compute_s": 100.0, "added_s": 100.0 * share}]}]})
+    graph = trace({**PRESETS["llama-tiny"], "num_hidden_layers": 3}, 1, 16)
+    assert graph.graph["layer_weights"] != [1] * 3  # the repeated layers are traced once
+    ctx = _context(prof, ("dp",), (2,), 8, 16, microbatches, False, "none", 2)
+    units, unit_of = build_units(ctx, graph)
+    sol = Solution({k: u.choices[0] for k, u in units.items()}, 0.0, "Optimal", "test", 0, 0, 0.0, None, 0.0)
+    tmap = tensors(ctx, graph, units, unit_of, canonical_map(graph))
+    compute = sum(c.compute_s for c in sol.choice.values()) / microbatches
+    assert sync_corrections(ctx, graph, units, unit_of, tmap, sol, []) == pytest.approx(share * compute)
+    # a GPU profile has no such cost
+    gpu = dataclasses.replace(ctx, profile=load_profile("h100-sxm-80g"))
+    assert sync_corrections(gpu, graph, units, unit_of, tmap, sol, []) == 0.0

@@ -1,0 +1,157 @@
+"""The order of a step's blocking collectives and the compute between them (issue 3).
+
+Ranks that share cores drift apart while they compute, and a blocking collective first
+waits for its group's slowest rank: the longer the compute since the rank's previous
+collective, the longer the wait (``cost_model.comm.sync_correction``; measured in
+docs/fidelity_log.md, sessions 36 and 42).  The collective constants were timed after
+one fixed stretch of compute, and ``Choice`` and the ILP price each collective alone, so
+neither knows that stretch in a step.  This module lays one micro-batch's step out in
+the order the executor runs it and returns what that changes in the collectives' prices:
+
+* forward: the graph's nodes in traced order, a repeated layer as often as the model
+  has it; a tensor redistributed for a consumer just before the first node of that
+  consumer that reads it; the vocabulary-parallel loss's two all-reduces at the loss;
+  the loss's mean over the data-parallel dims after the last node;
+* backward: the same nodes in reverse; a redistribution's gradient collectives (and
+  the all-reduce of a Partial gradient, Megatron's f) just after the backward of the
+  consumer that read it; gradients left Partial reduced after the whole backward, one
+  after another (``_reduce_pending_grads``);
+* FSDP2, one unit per layer and the root (``executor.apply``): the all-gather before each
+  layer's forward and, but for the last layer (kept), again before its backward; the
+  gradient's reduce-scatter (all-reduce when replicated) after its backward; the root's
+  gather first and its reduction last.
+
+A unit's compute (forward: a third of its forward + backward, as ``search.evaluate``
+splits it) is shared evenly by its nodes: on a CPU host time per node is most of a small
+op's time.  DTensor's host work around each of its collectives
+(``dtensor_redistribute_s``) precedes the collective and counts as compute before it.
+Not in the stretches: nodes no unit holds (placeholders, parameters), FSDP2's host time,
+and the optimizer.  Pipelines are not laid out (``planner.pipeline`` prices stages
+without this correction).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping
+
+import networkx as nx
+
+from cost_model.comm import backward_placements, redistribute_collectives, sync_correction
+from planner.ilp import Solution, Tensor, partial_dims
+from planner.strategies import Context, Unit, concrete
+
+# an event: the group sizes of the collectives issued at one point, in order (the first
+# after the compute before it, the rest after DTensor's host work only)
+Groups = list[int]
+
+
+def _groups(ctx: Context, src: list[str], dst: list[str]) -> Groups:
+    return [int(ctx.mesh_shape[dim]) for _, dim in
+            redistribute_collectives(ctx.mesh_shape, src, dst, ctx.profile.device_type)]
+
+
+def _expanded(graph: nx.DiGraph) -> Iterator[tuple[str, bool, bool]]:
+    """(node, starts a layer, ends a layer) in traced order, each traced layer's run of
+    nodes repeated as often as the model has that layer."""
+    for layer, run in itertools.groupby(graph.nodes, key=lambda n: graph.nodes[n].get("layer")):
+        nodes = list(run)
+        for _ in range(1 if layer is None else graph.graph["layer_weights"][layer]):
+            for i, n in enumerate(nodes):
+                yield n, layer is not None and i == 0, layer is not None and i == len(nodes) - 1
+
+
+def _redistributions(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit], unit_of: Mapping[str, str],
+                     tensor_map: Mapping[str, Tensor], sol: Solution
+                     ) -> tuple[dict[str, Groups], dict[str, Groups]]:
+    """Per consumer node, the forward collectives issued before it and the backward ones
+    after its backward."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    fwd: dict[str, Groups] = {}
+    bwd: dict[str, Groups] = {}
+    for t in tensor_map.values():
+        src = sol.choice[t.producer].out
+        s = [concrete(x, t.shape, ctx.seq_len) for x in src]
+        if None in s or not t.shape:
+            continue
+        first: dict[tuple[str, tuple[str, ...], tuple[int, ...]], str] = {}
+        for u, v in t.edges:
+            c = unit_of[v]
+            need = sol.choice[c].inp if units[c].kind == "anchor" else sol.choice[c].out
+            key = (u, need, partial_dims(ctx, units[c], sol.choice[c]))
+            if key not in first or order[v] < order[first[key]]:
+                first[key] = v
+        for (_, need, dims), v in first.items():
+            d = [concrete(x, t.shape, ctx.seq_len) for x in need]
+            if None in d:
+                continue
+            if need != src:
+                fwd.setdefault(v, []).extend(_groups(ctx, s, d))
+            grad = ["P" if i in dims else p for i, p in enumerate(d)]
+            bwd.setdefault(v, []).extend(_groups(ctx, grad, backward_placements(s, grad)))
+    return fwd, bwd
+
+
+def sync_corrections(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit], unit_of: Mapping[str, str],
+                     tensor_map: Mapping[str, Tensor], sol: Solution, partial: list[tuple[str, str, float, int]]
+                     ) -> float:
+    """Seconds per micro-batch the waits before a step's blocking collectives add to their
+    calibrated prices (may be negative); 0 where the profile has no ``sync_cost``.
+    ``partial``: ``search._partial_grads``' gradients left Partial."""
+    prof = ctx.profile
+    if not prof.sync_cost:
+        return 0.0
+    m = ctx.microbatches
+    per_node: dict[str, tuple[float, float]] = {}  # node -> (forward s, backward s)
+    for key, unit in units.items():
+        c = sol.choice[key]
+        forward = (c.compute_s - c.recompute_s) / 3
+        share = unit.weight * m
+        for n in unit.nodes:
+            per_node[n] = (forward / share, (c.compute_s - forward) / share)
+    fwd, bwd = _redistributions(ctx, graph, units, unit_of, tensor_map, sol)
+    host = prof.dtensor_redistribute_s
+    for key, unit in units.items():  # the vocabulary-parallel loss
+        c = sol.choice[key]
+        if c.comm_s:
+            fwd.setdefault(unit.nodes[0], []).extend(
+                int(ctx.mesh_shape[i]) for i in ctx.free_dims if c.out[i] == "H" for _ in range(2))
+    data = ctx.data_ranks
+    fsdp = data if data > 1 and "dp" in ctx.fsdp else 0
+    reduce_group = data if data > 1 else 0
+
+    total = 0.0
+    since = 0.0  # compute since this rank's previous collective
+
+    def issue(groups: Groups, dtensor: bool = True) -> None:
+        nonlocal total, since
+        for g in groups:
+            since += host if dtensor else 0.0
+            total += sync_correction(prof, g, since)
+            since = 0.0
+
+    nodes = list(_expanded(graph))
+    if fsdp:
+        issue([fsdp], dtensor=False)  # the root's all-gather
+    for n, starts, _ in nodes:
+        if starts and fsdp:
+            issue([fsdp], dtensor=False)
+        issue(fwd.get(n, []))
+        since += per_node.get(n, (0.0, 0.0))[0]
+    if data > 1:
+        issue([data], dtensor=False)  # the loss's mean
+    last_layer = max((i for i, (_, _, ends) in enumerate(nodes) if ends), default=-1)
+    for i in range(len(nodes) - 1, -1, -1):
+        n, starts, ends = nodes[i]
+        if ends and fsdp and i != last_layer:
+            issue([fsdp], dtensor=False)  # the re-gather
+        since += per_node.get(n, (0.0, 0.0))[1]
+        issue(bwd.get(n, []))
+        if starts and reduce_group:
+            issue([reduce_group], dtensor=False)
+    if reduce_group:
+        issue([reduce_group], dtensor=False)  # the root's gradients
+    buckets = {dim for _, kind, _, dim in partial if kind == "all_reduce"} if data == 1 else set()
+    issue([int(ctx.mesh_shape[dim]) for dim in sorted(buckets)]
+          + [int(ctx.mesh_shape[dim]) for _, kind, _, dim in partial if not (kind == "all_reduce" and data == 1)])
+    return total
