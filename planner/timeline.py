@@ -10,7 +10,8 @@ the order the executor runs it and returns what that changes in the collectives'
 
 * forward: the graph's nodes in traced order, a repeated layer as often as the model
   has it; a tensor redistributed for a consumer just before the first node of that
-  consumer that reads it; the vocabulary-parallel loss's two all-reduces at the loss;
+  consumer that reads it (in every instance of a repeated layer, but once for a tensor
+  from outside the layers: the embedding's output); the vocabulary-parallel loss's two all-reduces at the loss;
   the loss's mean over the data-parallel dims after the last node;
 * backward: the same nodes in reverse; a redistribution's gradient collectives (and
   the all-reduce of a Partial gradient, Megatron's f) just after the backward of the
@@ -41,9 +42,12 @@ from cost_model.comm import backward_placements, redistribute_collectives, sync_
 from planner.ilp import Solution, Tensor, partial_dims
 from planner.strategies import Context, Unit, concrete
 
-# an event: the group sizes of the collectives issued at one point, in order (the first
-# after the compute before it, the rest after DTensor's host work only)
+# the group sizes of the collectives issued at one point, in order (the first after the
+# compute before it, the rest after DTensor's host work only)
 Groups = list[int]
+# per node: the collectives issued there, each with whether it recurs in every instance of
+# a repeated layer (False: a tensor from outside the layers, redistributed once)
+Events = dict[str, list[tuple[int, bool]]]
 
 
 def _groups(ctx: Context, src: list[str], dst: list[str]) -> Groups:
@@ -51,24 +55,23 @@ def _groups(ctx: Context, src: list[str], dst: list[str]) -> Groups:
             redistribute_collectives(ctx.mesh_shape, src, dst, ctx.profile.device_type)]
 
 
-def _expanded(graph: nx.DiGraph) -> Iterator[tuple[str, bool, bool]]:
-    """(node, starts a layer, ends a layer) in traced order, each traced layer's run of
-    nodes repeated as often as the model has that layer."""
+def _expanded(graph: nx.DiGraph) -> Iterator[tuple[str, bool, bool, bool]]:
+    """(node, starts a layer, ends a layer, in the first instance of its run) in traced
+    order, each traced layer's run of nodes repeated as often as the model has that layer."""
     for layer, run in itertools.groupby(graph.nodes, key=lambda n: graph.nodes[n].get("layer")):
         nodes = list(run)
-        for _ in range(1 if layer is None else graph.graph["layer_weights"][layer]):
+        for k in range(1 if layer is None else graph.graph["layer_weights"][layer]):
             for i, n in enumerate(nodes):
-                yield n, layer is not None and i == 0, layer is not None and i == len(nodes) - 1
+                yield n, layer is not None and i == 0, layer is not None and i == len(nodes) - 1, k == 0
 
 
 def _redistributions(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit], unit_of: Mapping[str, str],
-                     tensor_map: Mapping[str, Tensor], sol: Solution
-                     ) -> tuple[dict[str, Groups], dict[str, Groups]]:
+                     tensor_map: Mapping[str, Tensor], sol: Solution) -> tuple[Events, Events]:
     """Per consumer node, the forward collectives issued before it and the backward ones
     after its backward."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    fwd: dict[str, Groups] = {}
-    bwd: dict[str, Groups] = {}
+    fwd: Events = {}
+    bwd: Events = {}
     for t in tensor_map.values():
         src = sol.choice[t.producer].out
         s = [concrete(x, t.shape, ctx.seq_len) for x in src]
@@ -81,14 +84,15 @@ def _redistributions(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit],
             key = (u, need, partial_dims(ctx, units[c], sol.choice[c]))
             if key not in first or order[v] < order[first[key]]:
                 first[key] = v
-        for (_, need, dims), v in first.items():
+        for (u, need, dims), v in first.items():
             d = [concrete(x, t.shape, ctx.seq_len) for x in need]
             if None in d:
                 continue
+            recurs = graph.nodes[u].get("layer") is not None
             if need != src:
-                fwd.setdefault(v, []).extend(_groups(ctx, s, d))
+                fwd.setdefault(v, []).extend((g, recurs) for g in _groups(ctx, s, d))
             grad = ["P" if i in dims else p for i, p in enumerate(d)]
-            bwd.setdefault(v, []).extend(_groups(ctx, grad, backward_placements(s, grad)))
+            bwd.setdefault(v, []).extend((g, recurs) for g in _groups(ctx, grad, backward_placements(s, grad)))
     return fwd, bwd
 
 
@@ -115,7 +119,7 @@ def sync_corrections(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit],
         c = sol.choice[key]
         if c.comm_s:
             fwd.setdefault(unit.nodes[0], []).extend(
-                int(ctx.mesh_shape[i]) for i in ctx.free_dims if c.out[i] == "H" for _ in range(2))
+                (int(ctx.mesh_shape[i]), True) for i in ctx.free_dims if c.out[i] == "H" for _ in range(2))
     data = ctx.data_ranks
     fsdp = data if data > 1 and "dp" in ctx.fsdp else 0
     reduce_group = data if data > 1 else 0
@@ -130,23 +134,26 @@ def sync_corrections(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit],
             total += sync_correction(prof, g, since)
             since = 0.0
 
+    def at(events: Events, n: str, first: bool) -> Groups:
+        return [g for g, recurs in events.get(n, ()) if recurs or first]
+
     nodes = list(_expanded(graph))
     if fsdp:
         issue([fsdp], dtensor=False)  # the root's all-gather
-    for n, starts, _ in nodes:
+    for n, starts, _, first in nodes:
         if starts and fsdp:
             issue([fsdp], dtensor=False)
-        issue(fwd.get(n, []))
+        issue(at(fwd, n, first))
         since += per_node.get(n, (0.0, 0.0))[0]
     if data > 1:
         issue([data], dtensor=False)  # the loss's mean
-    last_layer = max((i for i, (_, _, ends) in enumerate(nodes) if ends), default=-1)
+    last_layer = max((i for i, (_, _, ends, _) in enumerate(nodes) if ends), default=-1)
     for i in range(len(nodes) - 1, -1, -1):
-        n, starts, ends = nodes[i]
+        n, starts, ends, first = nodes[i]
         if ends and fsdp and i != last_layer:
             issue([fsdp], dtensor=False)  # the re-gather
         since += per_node.get(n, (0.0, 0.0))[1]
-        issue(bwd.get(n, []))
+        issue(at(bwd, n, first))
         if starts and reduce_group:
             issue([reduce_group], dtensor=False)
     if reduce_group:

@@ -1858,3 +1858,42 @@ def test_a_one_device_gpu_plan_runs_on_the_cpu_without_cuda() -> None:
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     ids = batches(Case("llama"))[0][0]
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+def test_the_planned_step_lays_out_the_collectives_the_executor_issues() -> None:
+    """``planner.timeline`` charges each collective of a step by the compute before it, so
+    it must lay out the collectives the executor issues: counted by a profile whose
+    correction is 1 ms per collective, against ``CommDebugMode``'s count of a second
+    forward and backward under ``executor.apply`` (one fake process group of 4 for all:
+    torch's caches keep meshes across a new group of the same shape), for the fidelity
+    bench's Llama and layouts.  Until the timeline took a tensor from outside the layers
+    (the embedding's output) as redistributed once, it counted that all-reduce again in
+    each instance of the repeated layer (TP: 21 against 20)."""
+    from bench.costmodel_fidelity import BATCH as batch
+    from bench.costmodel_fidelity import MODEL, SEQ
+    from cost_model.profile import Profile, load_profile
+
+    base = load_profile("cpu-gloo-local").model_dump()
+    flat = [{"size": g, "held_s": 0.0, "points": [{"compute_s": 0.0, "added_s": 1e-3},
+                                                   {"compute_s": 1.0, "added_s": 1e-3}]} for g in (2, 4)]
+    profiles = [Profile.model_validate({**base, "name": name, "sync_cost": sync})
+                for name, sync in (("flat", flat), ("none", []))]
+    layouts = [{"dp": 4}, {"dp": 4, "fsdp": True}, {"tp": 4}, {"tp": 4, "sp": True}, {"dp": 2, "tp": 2},
+               {"dp": 2, "tp": 2, "sp": True, "fsdp": True}]
+    counts = {}
+    torch.distributed.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        for layout in layouts:
+            steps = [planner.hand_plan(MODEL, 4, prof, batch_size=batch, seq_len=SEQ, **layout) for prof in profiles]
+            laid_out = round((steps[0].prediction.time.step_time_s - steps[1].prediction.time.step_time_s) / 1e-3)
+            executor.rng.manual_seed(SEED)
+            model = executor.apply(steps[1], build_model(load_config(MODEL)).train())
+            ids = torch.zeros(batch, SEQ, dtype=torch.long)
+            model(input_ids=ids, labels=ids).loss.backward()  # the first also checks the batch (SameBatch)
+            model.zero_grad()  # as a training loop's optimizer step leaves them
+            with CommDebugMode() as comm:
+                model(input_ids=ids, labels=ids).loss.backward()
+            counts[str(layout)] = (laid_out, comm.get_total_counts())
+    finally:
+        torch.distributed.destroy_process_group()
+    assert all(a == b for a, b in counts.values()), counts
