@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -80,6 +81,17 @@ class CollectiveLatency(_Strict):
     send_recv: float = Field(ge=0, description="point-to-point latency of one pair, s")
 
 
+_Sized = TypeVar("_Sized", bound="GroupFit | GroupSync")
+
+
+def _distinct_sizes(groups: list[_Sized]) -> list[_Sized]:
+    """Measured group sizes, each at most once: the constants are looked up by size."""
+    sizes = [g.size for g in groups]
+    if len(sizes) != len(set(sizes)):
+        raise ValueError(f"group sizes must be distinct, got {sizes}")
+    return groups
+
+
 class GroupFit(_Strict):
     """Latency and bus bandwidth measured for one group size at this level.
 
@@ -108,20 +120,12 @@ class NetworkLevel(_Strict):
     )
     busbw: CollectiveBandwidth = Field(description="achieved bus bandwidth per collective kind")
     latency_s: float = Field(ge=0, description="fixed cost of one collective at this level, s")
-    groups: list[GroupFit] = Field(
+    groups: Annotated[list[GroupFit], AfterValidator(_distinct_sizes)] = Field(
         default_factory=list,
         description="measured constants per group size; a phase among `size` members uses "
         "them instead of latency_s / busbw, and so does one among more members, up to the next "
         "measured size",
     )
-
-    @field_validator("groups")
-    @classmethod
-    def _distinct_sizes(cls, groups: list[GroupFit]) -> list[GroupFit]:
-        sizes = [g.size for g in groups]
-        if len(sizes) != len(set(sizes)):
-            raise ValueError(f"group sizes must be distinct, got {sizes}")
-        return groups
 
 
 class GemmPoint(_Strict):
@@ -308,7 +312,7 @@ class Profile(_Strict):
         "profile, 1 on a cpu one",
     )
     levels: list[NetworkLevel] = Field(min_length=1, description="network levels, innermost first")
-    sync_cost: list[GroupSync] = Field(
+    sync_cost: Annotated[list[GroupSync], AfterValidator(_distinct_sizes)] = Field(
         default_factory=list,
         description="what synchronising a group costs a step by the compute before the "
         "collective, per measured group size (a group uses the largest measured size not "
@@ -316,14 +320,6 @@ class Profile(_Strict):
         "the difference from what its calibrated price holds. Empty: no correction (GPU "
         "profiles: a rank per device, nothing shares its cores)",
     )
-
-    @field_validator("sync_cost")
-    @classmethod
-    def _distinct_sizes(cls, groups: list[GroupSync]) -> list[GroupSync]:
-        sizes = [g.size for g in groups]
-        if len(sizes) != len(set(sizes)):
-            raise ValueError(f"group sizes must be distinct, got {sizes}")
-        return groups
 
     @field_validator("gemm_efficiency", "attention_curve", "gemm_columns")
     @classmethod
