@@ -6,7 +6,8 @@ hand layouts of a small Llama on 4 gloo processes, and collective micro-predicti
 Without ``--profile`` the machine is calibrated inside the run: after each third of
 the timed steps the 4 ranks run calibrate's own micro-benchmarks (``collective_samples``:
 gloo collectives in groups of 2 and 4, a third of the repeats each time, the median of
-all kept; ``measure_device``: GEMMs, copies, AdamW's update, exps, attention, host time,
+all kept; ``sync_samples``: what synchronising a group adds by the compute before it,
+likewise; ``measure_device``: GEMMs, copies, AdamW's update, exps, attention, host time,
 op dispatch, the median of the three kept), and the profile built from them
 (``profile_from_job``, exactly what ``meshplan calibrate`` writes) is saved to
 ``--save-profile`` and used for the predictions.  On a machine shared with other jobs
@@ -21,7 +22,9 @@ and head, column- then row-parallel projections, SP where asked; the executor te
 train two of them against one device).  Each layout is predicted as that plan's own
 prediction under the calibrated profile (``planner.estimate``: the planner's cost
 function with the placements pinned; the table says whether the plan it prices is the
-one that ran).  Nothing here adjusts a constant.
+one that ran), and, beside it, the same plan priced without the profile's ``sync_cost``
+(every collective as calibrated, whatever the compute before it).  Nothing here adjusts
+a constant.
 
 Each layout's step is also timed with its collectives switched off (``CollectivesSwitch``:
 every collective returns at once, its output filled from the rank's own input), in the

@@ -11,8 +11,9 @@ the order the executor runs it and returns what that changes in the collectives'
 * forward: the graph's nodes in traced order, a repeated layer as often as the model
   has it; a tensor redistributed for a consumer just before the first node of that
   consumer that reads it (in every instance of a repeated layer, but once for a tensor
-  from outside the layers: the embedding's output); the vocabulary-parallel loss's two all-reduces at the loss;
-  the loss's mean over the data-parallel dims after the last node;
+  from outside the layers: the embedding's output); the vocabulary-parallel loss's two
+  all-reduces at the loss; the loss's mean over the data-parallel dims after the last
+  node;
 * backward: the same nodes in reverse; a redistribution's gradient collectives (and
   the all-reduce of a Partial gradient, Megatron's f) just after the backward of the
   consumer that read it; gradients left Partial reduced after the whole backward, one
