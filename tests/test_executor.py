@@ -1864,9 +1864,10 @@ def test_the_planned_step_lays_out_the_collectives_the_executor_issues() -> None
     """``planner.timeline`` charges each collective of a step by the compute before it, so
     it must lay out the collectives the executor issues: counted by a profile whose
     correction is 1 ms per collective, against ``CommDebugMode``'s count of a second
-    forward and backward under ``executor.apply`` (one fake process group of 4 for all:
-    torch's caches keep meshes across a new group of the same shape), for the fidelity
-    bench's Llama and layouts.  Until the timeline took a tensor from outside the layers
+    forward and backward under ``executor.apply`` (one fake process group of 4 for all: in
+    a new fake group after one of the same mesh shape the step failed with "Could not
+    resolve the process group registered under the name 7"; which cache keeps the old
+    group was not found), for the fidelity bench's Llama and layouts.  Until the timeline took a tensor from outside the layers
     (the embedding's output) as redistributed once, it counted that all-reduce again in
     each instance of the repeated layer (TP: 21 against 20)."""
     from bench.costmodel_fidelity import BATCH as batch
