@@ -778,7 +778,8 @@ def sync_samples(chunk: Callable[[], None], groups: dict[int, dist.ProcessGroup 
                                dtype=torch.float64)
             every = [torch.zeros_like(own) for _ in range(world)]
             dist.all_gather(every, own)
-            a, b = torch.stack(every)[:, 0::2], torch.stack(every)[:, 1::2]  # ranks x repeats
+            table = torch.stack(every)
+            a, b = table[:, 0::2], table[:, 1::2]  # ranks x repeats
             out.setdefault(g, {})[k] = [(float(a[:, r].mean()) / iterations,
                                          float(b[:, r].max() - a[:, r].max()) / iterations) for r in range(repeats)]
     return out

@@ -223,15 +223,23 @@ def partial_grad_time(
     gradient again in every optimizer op that reads it.  Either way each reduction is a
     DTensor redistribution (``Profile.dtensor_redistribute_s`` of host time on top).
     """
+    return sum(collective_time(profile, kind, nbytes, mesh_shape, dim) + profile.dtensor_redistribute_s
+               for kind, nbytes, dim in partial_grad_collectives(partial, bucketed))
+
+
+def partial_grad_collectives(partial: Sequence[tuple[str, float, int]], bucketed: bool
+                             ) -> list[tuple[str, float, int]]:
+    """The (collective, bytes, mesh dim) ``partial_grad_time`` prices, in the order
+    ``executor.apply`` issues them: each reduce-scatter (or, not ``bucketed``, each
+    all-reduce) on its own, then one all-reduce per mesh dim of the bucketed ones."""
     buckets: dict[int, float] = {}
-    t = 0.0
+    out = []
     for kind, nbytes, dim in partial:
         if kind == "all_reduce" and bucketed:
             buckets[dim] = buckets.get(dim, 0.0) + nbytes
         else:
-            t += collective_time(profile, kind, nbytes, mesh_shape, dim) + profile.dtensor_redistribute_s
-    return t + sum(collective_time(profile, "all_reduce", nbytes, mesh_shape, dim)
-                   + profile.dtensor_redistribute_s for dim, nbytes in buckets.items())
+            out.append((kind, nbytes, dim))
+    return out + [("all_reduce", nbytes, dim) for dim, nbytes in buckets.items()]
 
 
 def fsdp_host_time(profile: Profile, mode: str, units: int, param_bytes: float,

@@ -40,6 +40,7 @@ from collections.abc import Iterator, Mapping
 import networkx as nx
 
 from cost_model.comm import backward_placements, redistribute_collectives, sync_correction
+from cost_model.step import partial_grad_collectives
 from planner.ilp import Solution, Tensor, partial_dims
 from planner.strategies import Context, Unit, concrete
 
@@ -122,8 +123,7 @@ def sync_corrections(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit],
             fwd.setdefault(unit.nodes[0], []).extend(
                 (int(ctx.mesh_shape[i]), True) for i in ctx.free_dims if c.out[i] == "H" for _ in range(2))
     data = ctx.data_ranks
-    fsdp = data if data > 1 and "dp" in ctx.fsdp else 0
-    reduce_group = data if data > 1 else 0
+    fsdp = data > 1 and "dp" in ctx.fsdp
 
     total = 0.0
     since = 0.0  # compute since this rank's previous collective
@@ -140,10 +140,10 @@ def sync_corrections(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit],
 
     nodes = list(_expanded(graph))
     if fsdp:
-        issue([fsdp], dtensor=False)  # the root's all-gather
+        issue([data], dtensor=False)  # the root's all-gather
     for n, starts, _, first in nodes:
         if starts and fsdp:
-            issue([fsdp], dtensor=False)
+            issue([data], dtensor=False)
         issue(at(fwd, n, first))
         since += per_node.get(n, (0.0, 0.0))[0]
     if data > 1:
@@ -152,14 +152,13 @@ def sync_corrections(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit],
     for i in range(len(nodes) - 1, -1, -1):
         n, starts, ends, first = nodes[i]
         if ends and fsdp and i != last_layer:
-            issue([fsdp], dtensor=False)  # the re-gather
+            issue([data], dtensor=False)  # the re-gather
         since += per_node.get(n, (0.0, 0.0))[1]
         issue(at(bwd, n, first))
-        if starts and reduce_group:
-            issue([reduce_group], dtensor=False)
-    if reduce_group:
-        issue([reduce_group], dtensor=False)  # the root's gradients
-    buckets = {dim for _, kind, _, dim in partial if kind == "all_reduce"} if data == 1 else set()
-    issue([int(ctx.mesh_shape[dim]) for dim in sorted(buckets)]
-          + [int(ctx.mesh_shape[dim]) for _, kind, _, dim in partial if not (kind == "all_reduce" and data == 1)])
+        if starts and data > 1:
+            issue([data], dtensor=False)  # the layer's gradient reduction
+    if data > 1:
+        issue([data], dtensor=False)  # the root's gradients
+    issue([int(ctx.mesh_shape[dim]) for _, _, dim in
+           partial_grad_collectives([e[1:] for e in partial], bucketed=data == 1)])
     return total
