@@ -23,6 +23,8 @@ Formulation (units and choices from ``planner.strategies``):
                   their uses
               a unit that does not cut replicated inputs itself takes a sharded
                   layout only where some input arrives in it (_forbid_unmade_chunks)
+              the loss is vocabulary-sharded (H) on a mesh dim exactly where its
+                  logits arrive so (_loss_takes_logits_as_they_arrive)
               user pins remove the choices that contradict them.
 
 Repeated layers share variables: units and tensors are keyed by their counterpart
@@ -42,6 +44,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -288,6 +291,7 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
                 prob += w >= pulp.lpSum(vs) + z - 1
                 objective.append(cost * w)
     _forbid_unmade_chunks(prob, units, tensor_map, x)
+    _loss_takes_logits_as_they_arrive(prob, units, tensor_map, x, ctx.free_dims)
     # CBC gives up on coefficients this large, which would read as "nothing fits"
     worst = max((abs(coef) for term in objective for coef in term.values()), default=0.0)
     if not worst < ABSURD_S:
@@ -364,6 +368,27 @@ def _forbid_unmade_chunks(prob: pulp.LpProblem, units: dict[str, Unit], tensor_m
                    for t in ts]
             if all(cut):
                 prob += v + pulp.lpSum(xv for each in cut for xv in each) <= len(ts)
+
+
+def _loss_takes_logits_as_they_arrive(prob: pulp.LpProblem, units: dict[str, Unit],
+                                      tensor_map: dict[str, Tensor], x: dict[str, list],
+                                      dims: Sequence[int]) -> None:
+    """executor.loss computes the cross-entropy on the logits' vocabulary shards wherever
+    they arrive sharded, and on whole logits wherever they arrive whole: it neither
+    gathers sharded logits for a replicated loss nor cuts whole ones.  So on each mesh dim
+    the loss unit's layout is H exactly where its input's is: for every loss choice ``c``
+    and producer choice ``s`` that differ there, ``x[loss,c] + x[producer,s] <= 1``.
+    (Pricing the gather instead, the ILP chose it for small vocabularies, and the plan
+    priced an all-gather where the executor ran two all-reduces.)"""
+    for t in tensor_map.values():
+        for cons in t.consumers:
+            if not units[cons].loss:
+                continue
+            prod = units[t.producer]
+            for v, c in zip(x[cons], units[cons].choices):
+                for w, s in zip(x[t.producer], prod.choices):
+                    if any((c.out[i] == "H") != (s.out[i] == "H") for i in dims):
+                        prob += v + w <= 1
 
 
 def realised_resharding(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],

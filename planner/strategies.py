@@ -170,6 +170,9 @@ class Unit:
     # none of its other inputs arrives so: see ``cuts_replicated_inputs``
     cuts_inputs: bool = True
     gathers: float = 0.0  # FSDP all-gathers of its parameters per step (Context.gathers)
+    # holds the loss, which executor.loss runs vocabulary-parallel exactly where its logits
+    # arrive vocabulary-sharded (ilp._loss_takes_logits_as_they_arrive)
+    loss: bool = False
 
 
 def concrete(layout: str, shape: Sequence[int], seq_len: int) -> str | None:
@@ -695,7 +698,8 @@ def build_units(ctx: Context, graph: nx.DiGraph) -> tuple[dict[str, Unit], dict[
         mult = sum(layer_weight(graph, n) for n in members)
         unit = Unit(key, kind, sorted(members), mult, graph.nodes[key]["module"],
                     cuts_inputs=cuts_replicated_inputs(graph, kind, [key] if kind == "anchor" else members),
-                    gathers=ctx.gathers(graph.nodes[key].get("layer") is not None, graph.graph["layers"]))
+                    gathers=ctx.gathers(graph.nodes[key].get("layer") is not None, graph.graph["layers"]),
+                    loss=any(graph.nodes[n]["short"] in LOSS_OPS for n in members))
         if kind == "anchor":
             shared = frozenset(f for f in graph.nodes[key]["params"].values() if owner[f] != key)
             unit.choices = anchor_choices(ctx, graph, key, mult, shared)
