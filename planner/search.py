@@ -225,6 +225,25 @@ def _partial_grads(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit], s
             for fqn in graph.nodes[n].get("params", {}).values():
                 bias = len(graph.graph["param_shapes"][fqn]) == 1
                 layout[fqn_pattern(fqn)] = c.inp if units[key].kind == "anchor" and not bias else c.out
+    # a parameter first computed on outside the units (Gemma's norm scale ``1 + weight``,
+    # traced as ``to`` and ``add`` on the weight alone) meets the activations of the
+    # segment that reads the result; without this its gradient read as Partial under
+    # plain tensor parallelism, and the plan priced one all-reduce per norm that the
+    # executor does not issue
+    unit_at = {n: key for key, u in units.items() for n in u.nodes}
+    for n, d in graph.nodes(data=True):
+        fqn = d.get("param") if d["kind"] == "placeholder" else None
+        if fqn is None or fqn_pattern(fqn) in layout:
+            continue
+        front, seen = [n], {n}
+        while front and fqn_pattern(fqn) not in layout:
+            for v in graph.successors(front.pop(0)):
+                if v in unit_at and units[unit_at[v]].kind == "segment":
+                    layout[fqn_pattern(fqn)] = sol.choice[unit_at[v]].out
+                    break
+                if v not in seen and v not in unit_at:
+                    seen.add(v)
+                    front.append(v)
     out = []
     for fqn, shape in graph.graph["param_shapes"].items():
         pat = fqn_pattern(fqn)
