@@ -629,7 +629,7 @@ def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,
             return resolve_partial(out)
         return tree_map_only(torch.Tensor, lambda t: local_regions.convert(t, resolve_partial), out)
 
-    last = _LastConversion()
+    last = _Conversions()
     for name, module in model.named_modules():
         layout = plan.layout_for(name)
         if layout is not None:  # first: a Partial output goes straight to the layout's
@@ -697,38 +697,52 @@ def _has_plain_tensor(values: Iterable[Any]) -> bool:
     return False
 
 
-class _LastConversion:
-    """The last module input a layout hook converted, and to what: the next module that reads
-    the same tensor (same object, unchanged since) in the same placements reuses the
-    result.  q, k and v (gate and up) projections read one normed hidden state;
+class _Conversions:
+    """The module inputs the layout hooks converted, and to what: a module that reads a
+    tensor already converted (same object, unchanged since) into the same placements
+    reuses the result.  q, k and v (gate and up) projections read one normed hidden
+    state, and so do the attention and the MLP of a parallel block (Cohere, Phi, GPT-J);
     converting it once is one all-gather forward and one reduce-scatter backward
-    (autograd sums the three gradients first), which is what the planner prices (one
-    reshard per tensor and layout), not three.  The result is held while the source
-    lives (a weak reference to it drops the entry), so the hit does not depend on what
-    the first consumer keeps: a local region's replay, a recomputation and ``no_grad``
-    hit as a recording does."""
+    (autograd sums the consumers' gradients first), which is what the planner prices
+    (one reshard per tensor and layout).  Only the last conversion was kept until the
+    parallel block's attention converted its children's inputs between: its MLP then
+    converted the hidden state again, one collective more each way per layer than the
+    plan priced.  Each result is held while its source lives (a weak reference to the
+    source drops the entry), so a hit does not depend on what the first consumer keeps:
+    a local region's replay, a recomputation and ``no_grad`` hit as a recording does.
+    A conversion that changes nothing (a child reading its parent's converted input) is
+    not kept: its readers may see it behind a wrapper of their own (a module's full
+    backward hooks wrap its inputs, as CommDebugMode's tracker has them do), and a hit
+    the recording had and the replay misses crosses a boundary the tape lacks."""
 
     def __init__(self) -> None:
-        self._entry: tuple[weakref.ref, int, list[Placement], torch.Tensor] | None = None
+        # id(source) -> (source, its version then, placements, result); id(result) -> placements
+        self._entries: dict[int, tuple[weakref.ref, int, list[Placement], torch.Tensor]] = {}
+        self._made: dict[int, list[Placement]] = {}
 
     def get(self, t: torch.Tensor, target: list[Placement]) -> torch.Tensor | None:
-        if self._entry is None:
+        entry = self._entries.get(id(t))
+        if entry is None:
             return None
-        src, version, want, out = self._entry
+        src, version, want, out = entry
         return out if src() is t and _version(t) == version and want == target else None
 
     def produced(self, t: torch.Tensor, target: list[Placement]) -> bool:
-        """Whether ``t`` is the last conversion's result, in ``target``: a child module
-        reading its parent's converted input (attention's q_proj)."""
-        return self._entry is not None and self._entry[3] is t and self._entry[2] == target
+        """Whether ``t`` is a conversion's result, in ``target``: a child module reading its
+        parent's converted input (attention's q_proj)."""
+        return self._made.get(id(t)) == target
 
     def put(self, t: torch.Tensor, target: list[Placement], out: torch.Tensor) -> torch.Tensor:
-        self._entry = (weakref.ref(t, self._drop), _version(t), target, out)
+        self._drop_id(id(t))
+        self._entries[id(t)] = (weakref.ref(t, lambda _ref, key=id(t): self._drop_id(key)), _version(t),
+                                target, out)
+        self._made[id(out)] = target
         return out
 
-    def _drop(self, ref: weakref.ref) -> None:
-        if self._entry is not None and self._entry[0] is ref:
-            self._entry = None
+    def _drop_id(self, key: int) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None and self._made.get(id(entry[3])) is entry[2]:
+            del self._made[id(entry[3])]
 
 
 def _version(t: torch.Tensor) -> int:
@@ -741,7 +755,7 @@ def _version(t: torch.Tensor) -> int:
 def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLayout,
                            as_dtensor: Callable[[torch.Tensor], DTensor],
                            placements: Callable[[list[str]], list[Placement]],
-                           last: _LastConversion) -> None:
+                           last: _Conversions) -> None:
     def redistribute(t: torch.Tensor, spec: list[str], shared: bool = False) -> torch.Tensor:
         target = placements(spec)
         if any(isinstance(p, Shard) and p.dim >= t.dim() for p in target):  # else an IndexError in torch
@@ -769,7 +783,7 @@ def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLa
             return _GradNotPartial.apply(t) if reduce_grad else t
 
         out = local_regions.convert(t, convert)
-        return last.put(t, target, out) if shared else out
+        return last.put(t, target, out) if shared and out is not t else out
 
     def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args and isinstance(args[0], torch.Tensor):

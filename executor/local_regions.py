@@ -151,8 +151,9 @@ class _Redistribute(torch.autograd.Function):
 
 def _moved(step: _Step, local: torch.Tensor) -> torch.Tensor | None:
     """``local`` moved directly (``_direct_specs``), or None where the step takes the round
-    trip.  (A conversion the executor shares, q, k and v reading one hidden state, is
-    one step: its later readers hit the shared result before reaching a boundary.)"""
+    trip.  (A conversion the executor shares, q, k and v or a parallel block's attention
+    and MLP reading one hidden state, is one step: its later readers hit the shared
+    result before reaching a boundary.)"""
     if local.dtype not in step.direct:
         step.direct[local.dtype] = _direct_specs(step, local.dtype) or ()
     specs = step.direct[local.dtype]
