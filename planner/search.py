@@ -576,16 +576,18 @@ def _parameters(graph: nx.DiGraph, cand: Candidate) -> list[ParameterPlacement]:
 
 
 def _settled(graph: nx.DiGraph, cand: Candidate, unit_of: dict[str, str], key: str) -> tuple[str, ...]:
-    """The layout anchor ``key``'s output leaves its module in: its own, unless that is a
-    pending sum (a row-parallel product, a vocabulary-parallel embedding) that every
-    consumer needs in one other layout, which the ILP prices as one reshard of the tensor.
-    The executor can only redistribute at module boundaries, and reduces a pending sum
-    leaving a module (all-reduce): the residual add that consumes ``o_proj``'s sum is no
-    module, so the plan has the module hand it over already in the layout wanted there
-    (sequence parallel: one reduce-scatter, not an all-reduce)."""
+    """The layout anchor ``key``'s output leaves its module in: its own, unless every
+    consumer needs it in one other layout, which the ILP prices as one reshard of the
+    tensor.  The executor can only redistribute at module boundaries, and where no
+    module boundary converts it, DTensor converts the tensor for each op that reads it:
+
+    * a pending sum (a row-parallel product, a vocabulary-parallel embedding) leaving a
+      module is reduced (all-reduce), and the residual add that consumes ``o_proj``'s sum
+      is no module, so the plan has the module hand it over already in the layout wanted
+      there (sequence parallel: one reduce-scatter, not an all-reduce);
+    * a fused q/k/v product split by features (Phi-3's ``qkv_proj``) is sliced three
+      times: three all-gathers of the whole product where the plan priced one."""
     out = cand.solution.choice[key].out
-    if "P" not in out:
-        return out
     consumers = {unit_of[v] for n in cand.units[key].nodes for v in graph.successors(n)
                  if unit_of.get(v, key) != key}
     needed = {(cand.solution.choice[k].inp if cand.units[k].kind == "anchor"
