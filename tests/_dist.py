@@ -284,3 +284,36 @@ class Collectives(TorchDispatchMode):
                 ("wait_tensor", "_wrap_tensor_autograd")):
             self.counts[func.__name__.split(".")[0]] += 1
         return func(*args, **(kwargs or {}))
+
+
+def laid_out_and_issued(config: Any, layout: dict[str, Any], batch: int, seq: int) -> tuple[int, int]:
+    """(the collectives ``planner.timeline`` lays out in one training step of ``config``
+    under the hand ``layout`` on 4 devices, the collectives a forward and backward of it
+    under ``executor.apply`` issue), on the fake process group of 4 the caller set up.
+
+    Laid out: the step priced with a profile whose ``sync_cost`` adds 1 ms to every
+    collective, less the step priced without.  Issued: ``CommDebugMode``'s count of the
+    second call (the first lets local regions learn and checks the batch), after
+    ``zero_grad`` as a training loop's optimizer step leaves the gradients."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import executor
+    import planner
+    from cost_model.profile import Profile, load_profile
+    from planner.presets import build_model, load_config
+
+    base = load_profile("cpu-gloo-local").model_dump()
+    flat = [{"size": g, "held_s": 0.0, "points": [{"compute_s": 0.0, "added_s": 1e-3},
+                                                   {"compute_s": 1.0, "added_s": 1e-3}]} for g in (2, 4)]
+    steps = [planner.hand_plan(config, 4, Profile.model_validate({**base, "name": name, "sync_cost": sync}),
+                               batch_size=batch, seq_len=seq, **layout)
+             for name, sync in (("flat", flat), ("none", []))]
+    laid_out = round((steps[0].prediction.time.step_time_s - steps[1].prediction.time.step_time_s) / 1e-3)
+    executor.rng.manual_seed(0)
+    model = executor.apply(steps[1], build_model(load_config(config)).train())
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.zero_grad()
+    with CommDebugMode() as comm:
+        model(input_ids=ids, labels=ids).loss.backward()
+    return laid_out, comm.get_total_counts()
