@@ -52,6 +52,7 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
+from torch.distributed.tensor import debug as dtensor_debug
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.utils import _sync_module_states  # DDP's broadcast of module states
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -409,9 +410,23 @@ def _build_mesh(plan: Plan, layout: _Layout) -> DeviceMesh:
     key = (device, tuple(shape), tuple(names))
     held = _MESHES.get(key)
     if held is None or held[0] is not dist.group.WORLD:
+        _forget_dead_meshes()
         mesh = init_device_mesh(device, key[1], mesh_dim_names=key[2])  # (may start the default group)
         held = _MESHES[key] = (dist.group.WORLD, mesh)
     return held[1]
+
+
+def _forget_dead_meshes() -> None:
+    """Clear DTensor's sharding propagation cache before a new mesh is made.  It maps input
+    specs to output specs, and a new mesh equals an earlier one of the same shape and dim
+    names (``DeviceMesh.__eq__`` does not compare process groups): after the default group
+    was destroyed and made again (a notebook, the tests' fake groups), a hit handed out a
+    spec on the old mesh, whose collectives then failed with "Could not resolve the process
+    group registered under the name 3".  A private torch API (torch 2.13's debug module has
+    it); looked up, so that a release without it only loses the clearing."""
+    clear = getattr(dtensor_debug, "_clear_sharding_prop_cache", None)
+    if clear is not None:
+        clear()
 
 
 def _cuda_device() -> torch.device:

@@ -1885,10 +1885,11 @@ def test_the_planned_step_lays_out_the_collectives_the_executor_issues() -> None
     """``planner.timeline`` charges each collective of a step by the compute before it,
     and the ILP prices the same resharding, so a plan must lay out the collectives the
     executor issues (``_dist.laid_out_and_issued``): for the fidelity bench's Llama and
-    layouts, the tiny presets, and ``LAID_OUT_CASES``.  One fake process group of 4 for
-    all: in a new fake group after one of the same mesh shape the step failed with "Could
-    not resolve the process group registered under the name 7" (which cache keeps the old
-    group was not found).  What the cases found, laid out against issued, before the fix:
+    layouts, the tiny presets, and ``LAID_OUT_CASES``, on one fake process group of 4.
+    (Run after the other tests here, it failed with "Could not resolve the process group
+    registered under the name 3" until ``executor.apply`` cleared DTensor's sharding
+    propagation cache with each new default group: see ``_build_mesh``.)  What the cases
+    found, laid out against issued, before the fix:
 
     * the embedding's all-reduce counted once per instance of the first layer (bench TP:
       21 against 20);
