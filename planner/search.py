@@ -586,13 +586,52 @@ def _settled(graph: nx.DiGraph, cand: Candidate, unit_of: dict[str, str], key: s
       is no module, so the plan has the module hand it over already in the layout wanted
       there (sequence parallel: one reduce-scatter, not an all-reduce);
     * a fused q/k/v product split by features (Phi-3's ``qkv_proj``) is sliced three
-      times: three all-gathers of the whole product where the plan priced one."""
+      times: three all-gathers of the whole product where the plan priced one.
+
+    But where elementwise ops alone lead from the output to a norm module (BitNet's gate
+    and up products, through ``act(gate) * up``, to its sub-norm), DTensor runs them on
+    the shards and the norm's boundary converts their result once: converting at the
+    outputs would gather both products instead of one (the plan prices both; it cannot
+    cut a segment between the elementwise ops and the norm)."""
     out = cand.solution.choice[key].out
+    if "P" not in out and _ends_in_a_norm(graph, cand.units[key].nodes):
+        return out
     consumers = {unit_of[v] for n in cand.units[key].nodes for v in graph.successors(n)
                  if unit_of.get(v, key) != key}
     needed = {(cand.solution.choice[k].inp if cand.units[k].kind == "anchor"
                else cand.solution.choice[k].out) for k in consumers}
     return needed.pop() if len(needed) == 1 else out
+
+
+def _ends_in_a_norm(graph: nx.DiGraph, nodes: list[str]) -> bool:
+    """Whether every path out of ``nodes`` reaches a norm module through elementwise ops
+    alone (``_settled``)."""
+    norms = {d["module"] for _, d in graph.nodes(data=True) if d["kind"] == "call_function" and norm_module_node(d)}
+    inside = set(nodes)
+    front = [v for n in nodes for v in graph.successors(n) if v not in inside]
+    seen: set[str] = set()
+    while front:
+        v = front.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        d = graph.nodes[v]
+        if d.get("module") in norms:
+            continue
+        if d.get("short") not in ELEMENTWISE | {"to"} and not _pointwise(d.get("op", "")):
+            return False
+        front.extend(graph.successors(v))
+    return bool(seen)
+
+
+@functools.cache
+def _pointwise(op: str) -> bool:
+    """Whether traced op ``aten.<name>.<overload>`` carries torch's pointwise tag (BitNet's
+    ``square`` after ``relu``)."""
+    parts = op.split(".")
+    packet = getattr(torch.ops.aten, parts[1], None) if len(parts) == 3 and parts[0] == "aten" else None
+    overload = getattr(packet, parts[2], None) if packet is not None else None
+    return overload is not None and torch.Tag.pointwise in overload.tags
 
 
 _RESHAPES = {"view", "_unsafe_view", "reshape"}

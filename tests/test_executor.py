@@ -1868,9 +1868,12 @@ def test_a_one_device_gpu_plan_runs_on_the_cpu_without_cuda() -> None:
 # layer priced as pending gradients one by one; the executor reduces them otherwise);
 # GPT-BigCode's multi-query c_attn (its output unsqueezed to 4-D, where the plan's
 # feature layout names the one-head dim: the split's gather is not priced); BLOOM's and
-# MPT's eager ALiBi attention (DTensor gathers inside it; the plan prices it on heads).
-LAID_OUT_CASES = ("gemma", "cohere", "phi3", "persimmon", "olmo2", "youtu", "apertus", "gpt-bigcode", "bloom",
-                  "mpt")
+# MPT's eager ALiBi attention (DTensor gathers inside it; the plan prices it on heads);
+# BitNet, where the plan gathers the gate and up products for the segment that holds
+# their product and the sub-norm, and the executor gathers the product once, at the norm
+# (planner.search._settled leaves it so: the executor's way is the cheaper).
+LAID_OUT_CASES = ("gemma", "cohere", "phi3", "persimmon", "bitnet", "olmo2", "youtu", "apertus", "gpt-bigcode",
+                  "bloom", "mpt")
 KNOWN_MISCOUNTS = {
     "olmo2 {'dp': 2, 'tp': 2, 'sp': True, 'fsdp': True}": (98, 100), "olmo2 {'dp': 2, 'tp': 2}": (41, 42),
     "youtu {'dp': 2, 'tp': 2, 'sp': True, 'fsdp': True}": (97, 101), "youtu {'dp': 2, 'tp': 2}": (34, 38),
@@ -1878,6 +1881,7 @@ KNOWN_MISCOUNTS = {
     "gpt-bigcode {'dp': 2, 'tp': 2, 'sp': True, 'fsdp': True}": (71, 79), "gpt-bigcode {'dp': 2, 'tp': 2}": (26, 34),
     "bloom {'dp': 2, 'tp': 2, 'sp': True, 'fsdp': True}": (72, 100), "bloom {'dp': 2, 'tp': 2}": (26, 54),
     "mpt {'dp': 2, 'tp': 2, 'sp': True, 'fsdp': True}": (38, 69), "mpt {'dp': 2, 'tp': 2}": (18, 34),
+    "bitnet {'dp': 2, 'tp': 2, 'sp': True, 'fsdp': True}": (109, 101), "bitnet {'dp': 2, 'tp': 2}": (46, 42),
 }
 
 
