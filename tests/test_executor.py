@@ -1862,7 +1862,7 @@ def test_a_one_device_gpu_plan_runs_on_the_cpu_without_cuda() -> None:
 
 # tests/test_architectures.py's cases whose plans the lays-out test below checks under
 # their layout and dp 2 x tp 2, and the counts (laid out, issued) where those differ, as
-# found and not fixed: OLMo 2 (one collective unaccounted for per step, not traced);
+# found and not fixed: OLMo 2 (one or two collectives per step unaccounted for, not traced);
 # low-rank attention (YouTu: one all-gather per layer at its rotary key's in-place copy,
 # which the plan prices in backward only); Apertus (xIELU's two scalar parameters per
 # layer priced as pending gradients one by one; the executor reduces them otherwise);
@@ -1904,8 +1904,7 @@ def test_the_planned_step_lays_out_the_collectives_the_executor_issues() -> None
     * a parallel block's MLP converting its input again after the attention (Cohere
       under its layout: 49 against 57; the executor now converts it once);
     * a fused q/k/v product gathered for each of its three slices (Phi-3 dp 2 x tp 2:
-      42 against 50; the plan now has the projection hand it over gathered once).
-
+      42 against 50; the plan now has the projection hand it over gathered once);
     * GPT-2's replicated position embeddings cut by sequence by DTensor inside the
       residual stream's segment, whose gradient then stayed cut (the weight's reduced
       with the norms') where the plan priced its all-gather (tp 4 with sp: 28 against
