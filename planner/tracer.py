@@ -81,7 +81,8 @@ from planner.presets import (
 )
 
 TRACED_LAYERS = 2
-_LAYER_RE = re.compile(r"^(?P<prefix>.*?\.(?:layers|h))\.(?P<idx>\d+)(?:\.|$)")
+# A repeated layer's module: Hugging Face's ``layers``, GPT-2's ``h``, MPT's and DBRX's ``blocks``
+_LAYER_RE = re.compile(r"^(?P<prefix>.*?\.(?:layers|h|blocks))\.(?P<idx>\d+)(?:\.|$)")
 
 # Ops that only reinterpret memory: no FLOPs, no traffic.
 _VIEW_OPS = {
@@ -730,6 +731,13 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
         else:  # layers differ: export them all
             graph = build_graph(_export(full, batch_size, seq_len, fused), causal_lm, _aliases(full))
             traced, weights, stand_ins = layers, [1] * layers, list(range(layers))
+    elif exported is not full and layers and traced < layers:
+        # the truncated model's layers were not found in its graph (a layer list by another
+        # name): it stands for nothing, so the whole model is exported (MPT's ``blocks``
+        # were priced as 2 of 4 layers before ``_LAYER_RE`` knew them)
+        graph = build_graph(_export(full, batch_size, seq_len, fused), causal_lm, _aliases(full))
+        traced = len({d["layer"] for _, d in graph.nodes(data=True) if d["layer"] is not None})
+        weights, stand_ins = [1] * traced, list(range(traced))
     if causal_lm and not isinstance(model, nn.Module):
         _price_sliding_windows(graph, config, seq_len, layers, traced, kinds)
     graph.graph.update(
