@@ -51,7 +51,7 @@ from typing import Literal
 import networkx as nx
 import pulp
 
-from cost_model.comm import redistribute_cost
+from cost_model.comm import partial_gradient_target, redistribute_cost, redistribute_time
 from cost_model.memory import state_bytes_per_param
 from cost_model.step import optimizer_time
 from planner.strategies import Choice, Context, Unit, concrete
@@ -172,7 +172,7 @@ def partial_grad_s(ctx: Context, t: Tensor, src: tuple[str, ...], dst: tuple[str
                    dims: tuple[int, ...]) -> float:
     """Seconds per step the backward of moving ``t`` from ``src`` to ``dst`` costs beyond
     ``reshard_s`` when its gradient arrives Partial on ``dims`` (``partial_dims``): an
-    all-reduce where ``src`` is replicated, a reduce-scatter where it is sharded."""
+    all-reduce where ``src`` is replicated or Partial, a reduce-scatter where it is sharded."""
     if not dims:
         return 0.0
     s = [concrete(x, t.shape, ctx.seq_len) for x in src]
@@ -181,7 +181,8 @@ def partial_grad_s(ctx: Context, t: Tensor, src: tuple[str, ...], dst: tuple[str
         return math.inf
     grad = ["P" if i in dims else p for i, p in enumerate(d)]
     try:
-        extra = (redistribute_cost(ctx.profile, ctx.mesh_shape, s, d, t.shape, t.itemsize, grad).backward_s
+        extra = (redistribute_time(ctx.profile, ctx.mesh_shape, grad, partial_gradient_target(s, grad),
+                                   t.shape, t.itemsize)
                  - redistribute_cost(ctx.profile, ctx.mesh_shape, s, d, t.shape, t.itemsize).backward_s)
     except ValueError:
         return math.inf

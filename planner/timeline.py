@@ -39,7 +39,12 @@ from collections.abc import Iterator, Mapping
 
 import networkx as nx
 
-from cost_model.comm import backward_placements, redistribute_collectives, sync_correction
+from cost_model.comm import (
+    backward_placements,
+    partial_gradient_target,
+    redistribute_collectives,
+    sync_correction,
+)
 from cost_model.step import partial_grad_collectives
 from planner.ilp import Solution, Tensor, partial_dims
 from planner.strategies import Context, Unit, concrete
@@ -79,22 +84,27 @@ def _redistributions(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit],
         s = [concrete(x, t.shape, ctx.seq_len) for x in src]
         if None in s or not t.shape:
             continue
-        first: dict[tuple[str, tuple[str, ...], tuple[int, ...]], str] = {}
+        # one redistribution per producer and layout, at its first consumer, as the ILP
+        # prices it; its gradient sums its consumers', Partial where any of them leaves it so
+        first: dict[tuple[str, tuple[str, ...]], str] = {}
+        dims: dict[tuple[str, tuple[str, ...]], set[int]] = {}
         for u, v in t.edges:
             c = unit_of[v]
             need = sol.choice[c].inp if units[c].kind == "anchor" else sol.choice[c].out
-            key = (u, need, partial_dims(ctx, units[c], sol.choice[c]))
+            key = (u, need)
             if key not in first or order[v] < order[first[key]]:
                 first[key] = v
-        for (u, need, dims), v in first.items():
+            dims.setdefault(key, set()).update(partial_dims(ctx, units[c], sol.choice[c]))
+        for (u, need), v in first.items():
             d = [concrete(x, t.shape, ctx.seq_len) for x in need]
             if None in d:
                 continue
             recurs = graph.nodes[u].get("layer") is not None
             if need != src:
                 fwd.setdefault(v, []).extend((g, recurs) for g in _groups(ctx, s, d))
-            grad = ["P" if i in dims else p for i, p in enumerate(d)]
-            bwd.setdefault(v, []).extend((g, recurs) for g in _groups(ctx, grad, backward_placements(s, grad)))
+            grad = ["P" if i in dims[u, need] else p for i, p in enumerate(d)]
+            back = partial_gradient_target(s, grad) if dims[u, need] else backward_placements(s, grad)
+            bwd.setdefault(v, []).extend((g, recurs) for g in _groups(ctx, grad, back))
     return fwd, bwd
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # A short timeout turns a rank stuck in a collective (its peer failed) into an error.
@@ -270,17 +271,24 @@ def _split_layers_evenly(pipeline: Any, pp: int) -> None:
 
 
 class Collectives(TorchDispatchMode):
-    """Counts functional collectives (or ``namespace``'s, e.g. FSDP2's ``c10d`` ones) by
-    name (CommDebugMode's module tracker follows neither a checkpoint's recomputation nor
-    a backward inside the model's call, as micro-batches run)."""
+    """Counts the collectives of ``namespaces`` by name: functional ones (DTensor's) by
+    default, ``c10d`` ones (FSDP2's, replicate's) where asked.  CommDebugMode's module
+    tracker follows neither a checkpoint's recomputation nor a backward inside the model's
+    call, as micro-batches run, and raises an IndexError inside some models' forward (Phi,
+    OLMo 3, nanochat, Gemma 4, Cohere-Compass).  Like CommDebugMode, an op on DTensors is
+    handed back to DTensor first, so the collectives it issues come back here."""
 
-    def __init__(self, namespace: str = "_c10d_functional") -> None:
+    def __init__(self, *namespaces: str) -> None:
         super().__init__()
-        self.namespace = namespace
+        self.namespaces = namespaces or ("_c10d_functional",)
         self.counts: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace == self.namespace and not func.__name__.startswith(
+        if isinstance(func, torch._ops.HigherOrderOperator):  # DTensor's random ops: not collectives
+            return func(*args, **(kwargs or {}))
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if func.namespace in self.namespaces and not func.__name__.startswith(
                 ("wait_tensor", "_wrap_tensor_autograd")):
             self.counts[func.__name__.split(".")[0]] += 1
         return func(*args, **(kwargs or {}))
@@ -292,11 +300,9 @@ def laid_out_and_issued(config: Any, layout: dict[str, Any], batch: int, seq: in
     under ``executor.apply`` issue), on the fake process group of 4 the caller set up.
 
     Laid out: the step priced with a profile whose ``sync_cost`` adds 1 ms to every
-    collective, less the step priced without.  Issued: ``CommDebugMode``'s count of the
-    second call (the first lets local regions learn and checks the batch), after
+    collective, less the step priced without.  Issued: ``Collectives``' count (DTensor's,
+    FSDP2's and replicate's) of the second call (the first lets local regions learn and checks the batch), after
     ``zero_grad`` as a training loop's optimizer step leaves the gradients."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
     import executor
     import planner
     from cost_model.profile import Profile, load_profile
@@ -314,6 +320,6 @@ def laid_out_and_issued(config: Any, layout: dict[str, Any], batch: int, seq: in
     ids = torch.zeros(batch, seq, dtype=torch.long)
     model(input_ids=ids, labels=ids).loss.backward()
     model.zero_grad()
-    with CommDebugMode() as comm:
+    with Collectives("_c10d_functional", "c10d") as comm:
         model(input_ids=ids, labels=ids).loss.backward()
-    return laid_out, comm.get_total_counts()
+    return laid_out, comm.counts.total()
