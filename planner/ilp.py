@@ -54,7 +54,7 @@ import pulp
 from cost_model.comm import partial_gradient_target, redistribute_cost, redistribute_time
 from cost_model.memory import state_bytes_per_param
 from cost_model.step import optimizer_time
-from planner.strategies import Choice, Context, Unit, concrete
+from planner.strategies import Choice, Context, Unit, concrete, layer_kinds
 from planner.tracer import floating
 
 # A step time no profile of a real machine can give (~30,000 years): past it a number in
@@ -105,28 +105,57 @@ class Tensor:
 
 def tensors(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: dict[str, str],
             canon: dict[str, str]) -> dict[str, Tensor]:
-    """Activation tensors that cross a unit boundary, keyed canonically."""
+    """Activation tensors that cross a unit boundary, keyed canonically, each standing for
+    as many real tensors as its producers run (``layer_weight``).
+
+    A repeated layer's output is the exception.  Of the ``w`` times the last traced layer of
+    a run stands for, only the last output leaves the run (to the final norm, or to a layer
+    of another kind: ``exits``, keyed by the producer itself, weight 1); the other ``w - 1``
+    feed the next instance of the layer, so they count with the same output of the
+    previous traced layer of the kind (its canonical tensor), which feeds a layer's input
+    consumers.  Priced all alike, a post-norm layer's q/k/v input (OLMo 2) was charged as
+    the final norm's in ``w - 1`` layers and the final norm's ``w`` times."""
     from planner.tracer import layer_weight
 
+    kinds = layer_kinds(graph, canon)
     out: dict[str, Tensor] = {}
-    counted: set[str] = set()
+    counted: set[tuple[str, str]] = set()
+    exits: set[str] = set()
     for u, v in graph.edges:
         if u not in unit_of or v not in unit_of or unit_of[u] == unit_of[v] or _metadata_input(graph, u, v):
             continue
         d = graph.nodes[u]
-        key = canon[u]
+        if leaves_run(kinds, d.get("layer"), graph.nodes[v].get("layer")):
+            key = u
+            exits.add(u)
+        else:
+            key = canon[u]
         t = out.get(key)
         if t is None:
             shape = (d["shape"][0] * ctx.microbatch,) + tuple(d["shape"][1:]) if d["shape"] else ()
             itemsize = max(1, round(d["itemsize"] * ctx.bytes_scale))
             t = out[key] = Tensor(key, unit_of[u], shape, itemsize, 0.0)
-        if u not in counted:
-            t.weight += layer_weight(graph, u)
+        if (key, u) not in counted:
+            t.weight += 1 if u in exits and key == u else layer_weight(graph, u)
             t.rerun = t.rerun or d.get("rerun", False)
-            counted.add(u)
+            counted.add((key, u))
         t.consumers.add(unit_of[v])
         t.edges.append((u, v))
+    for u in exits:
+        rest = layer_weight(graph, u) - 1
+        twin = out.get(canon[u])
+        if rest and twin is not None and twin is not out[u]:
+            twin.weight += rest
+        elif rest:  # no earlier layer of the kind to count with (not in a traced graph)
+            out[u].weight += rest
     return out
+
+
+def leaves_run(kinds: dict[int, int], producer: int | None, consumer: int | None) -> bool:
+    """Whether an edge from a node of traced layer ``producer`` to one of ``consumer``
+    (None: outside the layers) leaves the producer's run of layers: its consumer is outside
+    the layers or in a layer of another kind (``kinds``: ``layer_kinds``)."""
+    return producer is not None and consumer != producer and (consumer is None or kinds[consumer] != kinds[producer])
 
 
 def _metadata_input(graph: nx.DiGraph, u: str, v: str) -> bool:

@@ -694,8 +694,9 @@ def _modules(graph: nx.DiGraph, cand: Candidate) -> list[ModuleLayout]:
 
 def _at_boundary(layout: str, shape: tuple[int, ...], seq: int, op: str) -> str | None:
     """``concrete``'s placement at an anchor's module boundary, where a linear's features
-    are its last dim whatever its rank (DeepSeek's kv_b_proj reads a 4-D latent
-    [b, 1, s, r], which ``concrete`` takes for attention's heads and wrote S(1))."""
+    are its last dim whatever its rank (a 4-D input ``[b, s, heads, d]``, whose heads
+    ``concrete`` names; DeepSeek's kv_b_proj reads a 4-D latent ``[b, 1, s, r]``, which
+    it wrote S(1) before a one-sized heads dim meant the features)."""
     if op in ("linear", "addmm") and layout == "H" and len(shape) >= 2:
         return f"S({len(shape) - 1})"
     return concrete(layout, shape, seq)

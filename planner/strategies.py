@@ -75,6 +75,10 @@ SAVED_BY_SELECTIVE = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm",
 # need to unshard it"), so a segment that cuts the features cannot keep them sharded:
 # GPT-2's q/k/v split of one projection, Mixtral's gate/up chunk of its fused experts.
 CUTTING_OPS = {"split", "split_with_sizes", "chunk", "slice", "narrow"}
+# Ops that reshape a tensor.  DTensor keeps a shard through a merge of dims only where
+# the sharded dim comes first in the merged group (``view_groups``' Flatten), and gathers
+# it otherwise: BLOOM folds the heads into the batch for its ALiBi ``baddbmm``.
+RESHAPING_OPS = {"view", "_unsafe_view", "reshape"}
 LAYOUTS = ("R", "B", "Q", "H", "P")
 ANCHOR_KINDS = ("data", "seq", "col", "row", "rep")
 
@@ -187,7 +191,10 @@ def concrete(layout: str, shape: Sequence[int], seq_len: int) -> str | None:
         dims = [d for d in range(1, len(shape)) if shape[d] == seq_len]
         return f"S({dims[0]})" if dims else None
     if len(shape) == 4:  # attention: [b, heads, s, d] or [b, s, heads, d]
-        return "S(1)" if shape[2] == seq_len else "S(2)"
+        heads = 1 if shape[2] == seq_len else 2
+        # one head: a 2-D product's features unsqueezed (GPT-BigCode's multi-query c_attn
+        # output, DeepSeek's latent), which DTensor keeps cut on the last dim
+        return f"S({heads})" if shape[heads] > 1 else "S(3)"
     return f"S({len(shape) - 1})" if len(shape) >= 2 else None
 
 
@@ -543,7 +550,8 @@ def _crosses_features(ctx: Context, node: dict) -> bool:
     a tensor of up to 3 dims ``H`` shards the last: a norm over the hidden states, GPT-2's
     q/k/v split, Mixtral's gate/up chunk cross it.  On attention's 4-D tensors it shards
     the heads, which a per-head norm over head_dim (Qwen3's q_norm) and rotary's halves of
-    head_dim leave whole, and StableLM's split into single heads cuts."""
+    head_dim leave whole, and StableLM's split into single heads cuts.  A reshape that
+    folds it into a dim before it crosses it too (BLOOM's heads into the batch)."""
     short = node["short"]
     src = (node.get("in_shapes") or [()])[0]
     sharded = concrete("H", src, ctx.seq_len)
@@ -553,6 +561,25 @@ def _crosses_features(ctx: Context, node: dict) -> bool:
     if short in REDUCING_OPS - LOSS_OPS:
         dims = node.get("op_dims")
         return dims is None or sharded is None or shard_dim(sharded) in dims
+    if short in RESHAPING_OPS and sharded and len(src) > 1:
+        return _merged_after_another(src, node["shape"], shard_dim(sharded))
+    return False
+
+
+def _merged_after_another(src: Sequence[int], dst: Sequence[int], dim: int) -> bool:
+    """Whether reshaping ``src`` to ``dst`` merges ``dim`` into a dim before it, by DTensor's
+    own reading of the reshape (``view_groups``).  The graph is traced with one sequence, so
+    the batch's dim (0, in and out) is given two first: a one-sized dim reads as no dim.
+    (``view_groups`` is private; it is what DTensor's view rules run, so the plan reads a
+    reshape as the executor will.)"""
+    from torch.distributed.tensor._ops._view_ops import Flatten, InputDim, Split, view_groups
+
+    groups = view_groups([2 * src[0], *src[1:]], [2 * dst[0], *dst[1:]])
+    for spec in groups:
+        spec = spec.input_dim if isinstance(spec, Split) else spec
+        if isinstance(spec, Flatten) and any(
+                isinstance(d, InputDim) and d.input_dim == dim for d in spec.input_dims[1:]):
+            return True
     return False
 
 

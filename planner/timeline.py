@@ -46,15 +46,17 @@ from cost_model.comm import (
     sync_correction,
 )
 from cost_model.step import partial_grad_collectives
-from planner.ilp import Solution, Tensor, partial_dims
-from planner.strategies import Context, Unit, concrete
+from planner.ilp import Solution, Tensor, leaves_run, partial_dims
+from planner.strategies import Context, Unit, canonical_map, concrete, layer_kinds
 
 # the group sizes of the collectives issued at one point, in order (the first after the
 # compute before it, the rest after DTensor's host work only)
 Groups = list[int]
-# per node: the collectives issued there, each with whether it recurs in every instance of
-# a repeated layer (False: a tensor from outside the layers, redistributed once)
-Events = dict[str, list[tuple[int, bool]]]
+# per node: the collectives issued there, each with the instances of a repeated layer's
+# run it is issued in: "every"; "first" (a tensor from before the layers, or leaving its
+# run: ``ilp.leaves_run``); "rest" (the run's later instances, where the layer's input is
+# the previous instance's output: the events of the next traced layer of the kind)
+Events = dict[str, list[tuple[int, str]]]
 
 
 def _groups(ctx: Context, src: list[str], dst: list[str]) -> Groups:
@@ -77,6 +79,8 @@ def _redistributions(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit],
     """Per consumer node, the forward collectives issued before it and the backward ones
     after its backward."""
     order = {n: i for i, n in enumerate(graph.nodes)}
+    canon = canonical_map(graph)
+    kinds = layer_kinds(graph, canon)
     fwd: Events = {}
     bwd: Events = {}
     for t in tensor_map.values():
@@ -99,12 +103,14 @@ def _redistributions(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit],
             d = [concrete(x, t.shape, ctx.seq_len) for x in need]
             if None in d:
                 continue
-            recurs = graph.nodes[u].get("layer") is not None
-            if need != src:
-                fwd.setdefault(v, []).extend((g, recurs) for g in _groups(ctx, s, d))
+            lu, lv = graph.nodes[u].get("layer"), graph.nodes[v].get("layer")
+            once = lu is None or leaves_run(kinds, lu, lv)
             grad = ["P" if i in dims[u, need] else p for i, p in enumerate(d)]
             back = partial_gradient_target(s, grad) if dims[u, need] else backward_placements(s, grad)
-            bwd.setdefault(v, []).extend((g, recurs) for g in _groups(ctx, grad, back))
+            for events, groups in ((fwd, _groups(ctx, s, d) if need != src else []), (bwd, _groups(ctx, grad, back))):
+                events.setdefault(v, []).extend((g, "first" if once else "every") for g in groups)
+                if not once and lu != lv:  # the first traced layer of the kind's later instances
+                    events.setdefault(canon[v], []).extend((g, "rest") for g in groups)
     return fwd, bwd
 
 
@@ -131,7 +137,7 @@ def sync_corrections(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit],
         c = sol.choice[key]
         if c.comm_s:
             fwd.setdefault(unit.nodes[0], []).extend(
-                (int(ctx.mesh_shape[i]), True) for i in ctx.free_dims if c.out[i] == "H" for _ in range(2))
+                (int(ctx.mesh_shape[i]), "first") for i in ctx.free_dims if c.out[i] == "H" for _ in range(2))
     data = ctx.data_ranks
     fsdp = data > 1 and "dp" in ctx.fsdp
 
@@ -146,7 +152,7 @@ def sync_corrections(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit],
             since = 0.0
 
     def at(events: Events, n: str, first: bool) -> Groups:
-        return [g for g, recurs in events.get(n, ()) if recurs or first]
+        return [g for g, when in events.get(n, ()) if when == "every" or (when == "first") == first]
 
     nodes = list(_expanded(graph))
     if fsdp:
