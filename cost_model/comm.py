@@ -441,9 +441,9 @@ def partial_gradient_target(src: Sequence[str], grad: Sequence[str]) -> list[str
     """Where a gradient arriving Partial from column-parallel consumers (``grad``) must go
     for the producer of a tensor redistributed from ``src``: DTensor's backward
     (``backward_placements``), except that a Partial gradient of a Partial output is
-    all-reduced too.  DTensor's redistribution leaves it Partial, but no producer's backward
-    takes it so (the vocabulary-parallel embedding's, a row-parallel product's), and DTensor
-    reduces it there: OLMo 2's first layer reads the embedding's output with its q/k/v
+    all-reduced too.  DTensor's redistribution leaves it Partial, but the producer's
+    backward (the vocabulary-parallel embedding's) cannot take it so, and a real step
+    reduces it once: OLMo 2's first layer reads the embedding's output with its q/k/v
     projections, one all-reduce per step that the plan had not priced."""
     return ["R" if p == "P" else p for p in backward_placements(src, grad)]
 
