@@ -17,6 +17,7 @@ from cost_model.comm import (
     collective_latency,
     collective_time,
     local_shape,
+    partial_gradient_target,
     redistribute_cost,
     redistribute_time,
     step_collective,
@@ -661,6 +662,11 @@ def test_redistribute_backward_follows_dtensor():
     assert backward_placements(["P"], ["R"]) == ["R"]  # grad R stays R, no partial again
     assert backward_placements(["P", "S(0)"], ["S(1)", "R"]) == ["R", "S(0)"]
     assert backward_placements(["R"], ["S(0)"]) == ["R"]
+    # a column-parallel consumer's Partial gradient: all-reduced onto a replicated or a
+    # Partial source (whose producer cannot take it Partial), reduce-scattered onto a shard
+    assert backward_placements(["P"], ["P"]) == ["P"]
+    assert partial_gradient_target(["P"], ["P"]) == partial_gradient_target(["R"], ["P"]) == ["R"]
+    assert partial_gradient_target(["S(0)", "P"], ["P", "S(1)"]) == ["S(0)", "R"]
 
 
 def test_redistribute_cost_forward_and_backward(toy):
