@@ -93,7 +93,7 @@ class Solution:
 
 @dataclass
 class Tensor:
-    key: str  # canonical producer node
+    key: str  # canonical producer node (the producer itself for an output leaving its run)
     producer: str  # unit key
     shape: tuple[int, ...]  # one global micro-batch
     itemsize: int

@@ -29,6 +29,7 @@ choices is priced by the ILP on the graph's edges.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -562,11 +563,12 @@ def _crosses_features(ctx: Context, node: dict) -> bool:
         dims = node.get("op_dims")
         return dims is None or sharded is None or shard_dim(sharded) in dims
     if short in RESHAPING_OPS and sharded and len(src) > 1:
-        return _merged_after_another(src, node["shape"], shard_dim(sharded))
+        return _merged_after_another(tuple(src), tuple(node["shape"]), shard_dim(sharded))
     return False
 
 
-def _merged_after_another(src: Sequence[int], dst: Sequence[int], dim: int) -> bool:
+@functools.cache  # asked per layout of every segment; a model has few distinct reshapes
+def _merged_after_another(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> bool:
     """Whether reshaping ``src`` to ``dst`` merges ``dim`` into a dim before it, by DTensor's
     own reading of the reshape (``view_groups``).  The graph is traced with one sequence, so
     the batch's dim (0, in and out) is given two first: a one-sized dim reads as no dim.
