@@ -1444,8 +1444,9 @@ def test_the_planners_sequence_parallel_plan_issues_the_collectives_it_prices(ch
     gradients (each rank saw its share of the sequence) in one all-reduce, as the planner
     prices them (``search._partial_grads``, bucketed without data parallelism); counted
     after ``zero_grad``, as an optimizer step leaves the gradients.  Into gradients kept
-    from the warm-up step, DTensor all-reduces each one as it adds it instead (5 here).
-    ``Collectives`` saw neither until it let DTensor issue its collectives first."""
+    from the warm-up step (as this test counted until session 44), DTensor all-reduces
+    each one as it adds it instead, 5 here, which ``Collectives`` did not see until it let
+    DTensor issue its collectives first."""
     layers = PRESETS["llama-tiny"]["num_hidden_layers"]
     torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
