@@ -719,8 +719,9 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
     prefixes = {_layer_of(d["module"])[0] for _, d in graph.nodes(data=True)
                 if d["kind"] == "call_function" and _layer_of(d["module"])}
     prefix = prefixes.pop() if len(prefixes) == 1 else None
-    traced = len({d["layer"] for _, d in graph.nodes(data=True) if d["layer"] is not None})
+    traced = _traced_layers(graph)
     weights, stand_ins = [1] * traced, list(range(traced))
+    whole = False
     if prefix and layers and layers > traced and traced >= 2:
         # each kind's traced layers must be one subgraph, and the truncated model's layers
         # the real model's first ones (a config could build its layers by the model's depth)
@@ -729,14 +730,15 @@ def _trace(model: str | Mapping[str, Any] | PretrainedConfig | nn.Module, batch_
         if same and (not known or _layer_kinds(exported) == kinds[:traced]):
             weights, stand_ins = _layer_weights(kinds, traced), _stand_ins(kinds, traced)
         else:  # layers differ: export them all
-            graph = build_graph(_export(full, batch_size, seq_len, fused), causal_lm, _aliases(full))
-            traced, weights, stand_ins = layers, [1] * layers, list(range(layers))
+            whole = True
     elif exported is not full and layers and traced < layers:
         # the truncated model's layers were not found in its graph (a layer list by another
         # name): it stands for nothing, so the whole model is exported (MPT's ``blocks``
         # were priced as 2 of 4 layers before ``_LAYER_RE`` knew them)
+        whole = True
+    if whole:
         graph = build_graph(_export(full, batch_size, seq_len, fused), causal_lm, _aliases(full))
-        traced = len({d["layer"] for _, d in graph.nodes(data=True) if d["layer"] is not None})
+        traced = _traced_layers(graph)
         weights, stand_ins = [1] * traced, list(range(traced))
     if causal_lm and not isinstance(model, nn.Module):
         _price_sliding_windows(graph, config, seq_len, layers, traced, kinds)
@@ -813,6 +815,10 @@ def _mark_checkpoint_inputs(graph: nx.DiGraph) -> None:
                 du["ckpt_numel"] = du["out_numel"]
             continue
         graph.nodes[v]["ckpt_numel"] = graph.nodes[v].get("ckpt_numel", 0) + du["out_numel"]
+
+
+def _traced_layers(graph: nx.DiGraph) -> int:
+    return len({d["layer"] for _, d in graph.nodes(data=True) if d["layer"] is not None})
 
 
 def layer_weight(graph: nx.DiGraph, node: str) -> int:

@@ -301,8 +301,9 @@ def laid_out_and_issued(config: Any, layout: dict[str, Any], batch: int, seq: in
 
     Laid out: the step priced with a profile whose ``sync_cost`` adds 1 ms to every
     collective, less the step priced without.  Issued: ``Collectives``' count (DTensor's,
-    FSDP2's and replicate's) of the second call (the first lets local regions learn and checks the batch), after
-    ``zero_grad`` as a training loop's optimizer step leaves the gradients."""
+    FSDP2's and replicate's) of the second call (the first lets local regions learn and
+    checks the batch), after ``zero_grad`` as a training loop's optimizer step leaves the
+    gradients."""
     import executor
     import planner
     from cost_model.profile import Profile, load_profile
