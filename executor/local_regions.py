@@ -20,8 +20,11 @@ i.e. an ``nn.ModuleList`` entry, or a module whose parameters all sit in direct
    parameters must match the DTensor run; the ranks of the model mesh agree (all-reduce
    MIN) before the region goes local.  A region that fails, or whose body does anything
    the tape cannot replay, stays on DTensor (logged).  On torch's ``fake`` process group
-   collectives return garbage, so there the check is structural only (the replay runs and
-   matches the tape).  Learning waits while a tool hooks every module (CommDebugMode,
+   collectives return garbage, so there the check is structural only: the replay runs,
+   matches the tape and issues the collectives the recording issued.  (A reduction
+   DTensor makes inside the body, which the replay lacks, shows there only by that count:
+   Apertus' xIELU scalars, whose gradients DTensor sums over the tp ranks mid-backward.)
+   Learning waits while a tool hooks every module (CommDebugMode,
    FlopCounterMode), which the extra runs would confuse.
 3. **Replay.**  Later calls with the same input shapes run locally with the tape: the
    same collectives at the same boundaries, none of DTensor's dispatch in between.
@@ -56,8 +59,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from executor import rng
+from executor.collectives import Collectives
 
 _LOG = logging.getLogger(__name__)
+_NAMESPACES = ("_c10d_functional", "c10d")  # the collectives DTensor and torch.distributed issue
 MAX_SHAPES = 4  # signatures (input shapes, what needs a gradient) learned per region; others run on DTensor
 # What a region's call may carry besides tensors for it to learn and replay: values no run
 # can change (a cache object, which the body appends to, keeps the region on DTensor).
@@ -362,16 +367,22 @@ class Region:
                 inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
                           for t in leaves]
                 dargs, dkwargs = tree_unflatten(inputs, spec)
-                tape, expected = self._record(dargs, dkwargs)
-                expected_grads = _vjp(expected, inputs, params)
+                with Collectives(*_NAMESPACES) as recorded:
+                    tape, expected = self._record(dargs, dkwargs)
+                    expected_grads = _vjp(expected, inputs, params)
                 if expected_grads:
                     tape.grads = _pending_grads(named, expected_grads[len(expected_grads) - len(named):])
                 _unconverted(tape)
                 if state is not None:
                     rng.set_state(state)
-                got = self._replay(tape, dargs, dkwargs)
-                ok = _matches(expected, got) and _matches(expected_grads, _vjp(got, inputs, params))
+                with Collectives(*_NAMESPACES) as replayed:
+                    got = self._replay(tape, dargs, dkwargs)
+                    got_grads = _vjp(got, inputs, params)
+                ok = _matches(expected, got) and _matches(expected_grads, got_grads)
                 reason = "" if ok else "local run differs from DTensor's"
+                if ok and _fake() and replayed.counts != recorded.counts:
+                    ok, reason = False, (f"local run issues {dict(replayed.counts)}, DTensor's "
+                                         f"{dict(recorded.counts)}")
         except Exception as e:  # noqa: BLE001
             # whatever the check met, the region stays on DTensor, and every rank reaches
             # the agreement below (a rank that raised left the others waiting in it: an
@@ -525,7 +536,7 @@ def _matches(a: Any, b: Any) -> bool:
     xs, ys = tree_flatten(a)[0], tree_flatten(b)[0]
     if len(xs) != len(ys):
         return False
-    fake = dist.is_initialized() and dist.get_backend() == "fake"
+    fake = _fake()
     for x, y in zip(xs, ys, strict=True):
         if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
             if (x is None) != (y is None):
@@ -537,6 +548,12 @@ def _matches(a: Any, b: Any) -> bool:
         if not fake and not torch.allclose(x, y, rtol=1e-5, atol=1e-6 * max(1.0, float(x.abs().max()))):
             return False
     return True
+
+
+def _fake() -> bool:
+    """Whether this runs on torch's ``fake`` process group, whose collectives return
+    garbage: values cannot be compared there."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
 
 
 def _unconverted(tape: _Tape) -> None:

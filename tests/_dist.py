@@ -18,7 +18,6 @@ import socket
 import tempfile
 import time
 import traceback
-from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -26,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from executor.collectives import Collectives
 
 # A short timeout turns a rank stuck in a collective (its peer failed) into an error.
 _COLLECTIVE_TIMEOUT = timedelta(seconds=120)
@@ -268,30 +267,6 @@ def _split_layers_evenly(pipeline: Any, pp: int) -> None:
                        for i in range(pp)]
     pipeline.stages[0].modules[:0] = before
     pipeline.stages[-1].modules.extend(after)
-
-
-class Collectives(TorchDispatchMode):
-    """Counts the collectives of ``namespaces`` by name: functional ones (DTensor's) by
-    default, ``c10d`` ones (FSDP2's, replicate's) where asked.  CommDebugMode's module
-    tracker follows neither a checkpoint's recomputation nor a backward inside the model's
-    call, as micro-batches run, and raises an IndexError inside some models' forward (Phi,
-    OLMo 3, nanochat, Gemma 4, Cohere-Compass).  Like CommDebugMode, an op on DTensors is
-    handed back to DTensor first, so the collectives it issues come back here."""
-
-    def __init__(self, *namespaces: str) -> None:
-        super().__init__()
-        self.namespaces = namespaces or ("_c10d_functional",)
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if isinstance(func, torch._ops.HigherOrderOperator):  # DTensor's random ops: not collectives
-            return func(*args, **(kwargs or {}))
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        if func.namespace in self.namespaces and not func.__name__.startswith(
-                ("wait_tensor", "_wrap_tensor_autograd")):
-            self.counts[func.__name__.split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def laid_out_and_issued(config: Any, layout: dict[str, Any], batch: int, seq: int) -> tuple[int, int]:
