@@ -17,6 +17,11 @@ Formulation (units and choices from ``planner.strategies``):
                         forward again where a checkpointed layer recomputes t)
             + sum w'[t,s,l,D] * partial_grad(t, s -> l, D)   (the backward's reduction;
                         w' linearises x[producer, s] AND p[t,l,D] like w)
+            - sum d[t,s,l] * (reshard(t, s -> l) - reshard(t, sum(s) -> l))
+                        (a pending sum s also needed summed, sum(s), is converted to the
+                        other layouts from that: summed_first; d in [0, 1] is bounded by
+                        x[producer, s], z[t,l] and z[t,sum(s)], and the minimisation
+                        takes it wherever all three hold)
     s.t.      sum x[u,c] (weights + grads + optimizer + in-flight activations)
                   <= usable memory per device              (bytes, not counts)
               tied parameters, and a pattern's parameters, take one placement across
@@ -44,7 +49,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -185,6 +190,21 @@ def reshard_s(ctx: Context, t: Tensor, src: tuple[str, ...], dst: tuple[str, ...
     return (cost.total_s + again) * ctx.microbatches
 
 
+def summed_first(src: tuple[str, ...], needed: Collection[tuple[str, ...]]) -> tuple[str, ...] | None:
+    """Where ``executor.apply`` converts a pending sum for its readers from its summed form:
+    a module's Partial output that leaves it for readers in several layouts (``search._settled``
+    hands it over as is) is all-reduced at the boundary (``no_partial_outputs``), and each
+    reader converts the replicated result.  When the summed layout is among ``needed``, the
+    tensor is converted to it once, and the other layouts come from it (a sequence shard:
+    a slice forward, where the ILP priced a reduce-scatter of the pending sum; OLMo 2's
+    embedding under sequence parallelism, read by q/k/v replicated and by the residual add
+    by sequence).  None where that does not apply."""
+    if "P" not in src:
+        return None
+    summed = tuple("R" if p == "P" else p for p in src)
+    return summed if summed in needed else None
+
+
 def partial_dims(ctx: Context, unit: Unit, c: Choice) -> tuple[int, ...]:
     """Mesh dims on which the gradient of anchor choice ``c``'s input comes back Partial:
     where it takes the input replicated and splits the output's features (column
@@ -320,6 +340,18 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
                 w = prob.add_variable(f"w_{ti}_{si}_{li}", lowBound=0)
                 prob += w >= pulp.lpSum(vs) + z - 1
                 objective.append(cost * w)
+                # converted from the summed form where that is needed too (summed_first): a
+                # discount d <= each of the three conditions, which the minimisation takes
+                # whenever all hold
+                summed = summed_first(src, needed)
+                if price is reshard_s and summed is not None and lay != summed:
+                    saved = cost - reshard_s(ctx, t, summed, lay) * t.weight
+                    if saved > 0.0:
+                        d = prob.add_variable(f"d_{ti}_{si}_{li}", lowBound=0)
+                        prob += d <= pulp.lpSum(vs)
+                        prob += d <= z
+                        prob += d <= needed[summed]
+                        objective.append(-saved * d)
     _forbid_unmade_chunks(prob, units, tensor_map, x)
     _loss_takes_logits_as_they_arrive(prob, units, tensor_map, x, ctx.free_dims)
     # CBC gives up on coefficients this large, which would read as "nothing fits"
@@ -429,11 +461,13 @@ def realised_resharding(ctx: Context, units: dict[str, Unit], tensor_map: dict[s
     for t in tensor_map.values():
         src = choice[t.producer].out
         needed = {(choice[c].inp if units[c].kind == "anchor" else choice[c].out) for c in t.consumers}
+        summed = summed_first(src, needed)
         for lay in needed:
-            cost = reshard_s(ctx, t, src, lay) * t.weight
+            frm = summed if summed is not None and lay != summed else src
+            cost = reshard_s(ctx, t, frm, lay) * t.weight
             if cost:
                 total += cost
-                edges.append((t.key, src, lay, cost))
+                edges.append((t.key, frm, lay, cost))
         partial = {(choice[c].inp, dims) for c in t.consumers
                    if (dims := partial_dims(ctx, units[c], choice[c]))}
         for lay, dims in partial:

@@ -46,7 +46,7 @@ from cost_model.comm import (
     sync_correction,
 )
 from cost_model.step import partial_grad_collectives
-from planner.ilp import Solution, Tensor, leaves_run, partial_dims
+from planner.ilp import Solution, Tensor, leaves_run, partial_dims, summed_first
 from planner.strategies import Context, Unit, canonical_map, concrete, layer_kinds
 
 # the group sizes of the collectives issued at one point, in order (the first after the
@@ -105,9 +105,12 @@ def _redistributions(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit],
                 continue
             lu, lv = graph.nodes[u].get("layer"), graph.nodes[v].get("layer")
             once = lu is None or leaves_run(kinds, lu, lv)
+            summed = summed_first(src, {n for p, n in first if p == u})
+            frm = s if summed is None or need == summed else [concrete(x, t.shape, ctx.seq_len) for x in summed]
             grad = ["P" if i in dims[u, need] else p for i, p in enumerate(d)]
-            back = partial_gradient_target(s, grad) if dims[u, need] else backward_placements(s, grad)
-            for events, groups in ((fwd, _groups(ctx, s, d) if need != src else []), (bwd, _groups(ctx, grad, back))):
+            back = partial_gradient_target(frm, grad) if dims[u, need] else backward_placements(frm, grad)
+            for events, groups in ((fwd, _groups(ctx, frm, d) if need != src else []),
+                                   (bwd, _groups(ctx, grad, back))):
                 events.setdefault(v, []).extend((g, "first" if once else "every") for g in groups)
                 if not once and lu != lv:  # the first traced layer of the kind's later instances
                     events.setdefault(canon[v], []).extend((g, "rest") for g in groups)

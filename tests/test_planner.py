@@ -1346,3 +1346,42 @@ def test_sync_corrections_count_every_second_of_compute_once(microbatches):
     # a GPU profile has no such cost
     gpu = dataclasses.replace(ctx, profile=load_profile("h100-sxm-80g"))
     assert sync_corrections(gpu, graph, units, unit_of, tmap, sol, []) == 0.0
+
+
+def test_a_pending_sum_read_summed_and_split_is_priced_as_converted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OLMo 2 is post-norm: under sequence parallelism its embedding's pending sum is read
+    replicated by the first layer's q/k/v and split by sequence by its residual add.  The
+    executor all-reduces it as it leaves the embedding and slices the add's share from
+    that; the plan priced a reduce-scatter of the pending sum for the add besides (101
+    collectives laid out per step against the 100 a step issues).  The resharding the
+    plan reports moves it to the summed layout once and from there to the add's; the
+    ILP's objective, which the discount for it enters, is the same total."""
+    from test_architectures import _config
+
+    from cost_model.memory import state_bytes_per_param
+    from cost_model.step import optimizer_time
+    from planner import ilp
+
+    solved = []
+    real = ilp.solve
+
+    def spy(ctx, units, tensor_map, *args, **kwargs):  # noqa: ANN001, ANN202
+        sol = real(ctx, units, tensor_map, *args, **kwargs)
+        solved.append((ctx, units, tensor_map, sol))
+        return sol
+
+    monkeypatch.setattr("planner.search.solve", spy)
+    planner.hand_plan(_config("olmo2"), 4, "cpu-gloo-local", batch_size=8, seq_len=16, dp=2, tp=2, sp=True,
+                      fsdp=True)
+    ctx, units, tensor_map, sol = solved[-1]
+    embedding = next(t for t in tensor_map.values() if "P" in sol.choice[t.producer].out)
+    moves = {(src, dst) for key, src, dst, _ in sol.edges if key == embedding.key}
+    src = sol.choice[embedding.producer].out
+    summed = tuple("R" if p == "P" else p for p in src)
+    assert (src, summed) in moves and any(a == summed and b != summed for a, b in moves)
+    assert not any(a == src and b != summed for a, b in moves), moves
+    per = state_bytes_per_param(ctx.optimizer)
+    chosen = sum(c.compute_s + c.comm_s + c.grad_sync_s + c.gather_s * units[k].gathers + c.pending_grad_s
+                 + (optimizer_time(ctx.profile, sum(c.state) / per.total, ctx.optimizer) if any(c.state) else 0.0)
+                 for k, c in sol.choice.items())
+    assert sol.objective == pytest.approx(chosen + sol.reshard_s, rel=1e-6)
