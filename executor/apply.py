@@ -789,7 +789,8 @@ def _register_layout_hooks(module: nn.Module, mesh: DeviceMesh, layout: ModuleLa
         # replay, where the parent's result may be another (local) tensor.  A module that
         # gives its input's layout back (a norm) gets no pending gradient to reduce.
         reduce_grad = (shared and any(isinstance(p, Replicate) for p in target)
-                       and layout.output != layout.input and not last.produced(t, target))
+                       and layout.output != layout.input
+                       and not last.produced(local_regions.original(t), target))
 
         def convert(t: torch.Tensor) -> torch.Tensor:
             t = as_dtensor(t)

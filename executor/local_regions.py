@@ -191,6 +191,9 @@ class _State(threading.local):
         # recording: the region's inputs and what changed boundaries returned, whose
         # gradients the replay converts as recorded (by id, each checked by a weak reference)
         self.marked: dict[int, weakref.ref] = {}
+        # recording: the detached copies of the region's inputs it runs on, by id, with the
+        # tensors they were copied from (``original``)
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 _STATE = _State()
@@ -200,6 +203,17 @@ def active() -> bool:
     """Whether a region is being recorded or replayed on this thread: the executor's hooks
     then convert every tensor through :func:`convert`, so both runs cross the same steps."""
     return _STATE.mode is not None
+
+
+def original(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a recording's input ``t`` was copied from, else ``t``.  The check records
+    a region on detached copies of its inputs, and a hook that asks where a tensor came
+    from (``executor.apply``: whether a module's input is its parent's conversion) must
+    get the answer the real call would: else the MLP region's first projection took its
+    converted input for a fresh one, and the recording added an all-reduce of its
+    gradient where the conversion's backward reduce-scatters it (sequence parallelism)."""
+    entry = _STATE.copies.get(id(t))
+    return entry[1] if entry is not None and entry[0] is t else t
 
 
 def convert(values: Any, fn: Callable[[Any], Any], op: bool = False) -> Any:
@@ -367,9 +381,14 @@ class Region:
                 inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
                           for t in leaves]
                 dargs, dkwargs = tree_unflatten(inputs, spec)
-                with Collectives(*_NAMESPACES) as recorded:
-                    tape, expected = self._record(dargs, dkwargs)
-                    expected_grads = _vjp(expected, inputs, params)
+                _STATE.copies = {id(c): (c, t) for c, t in zip(inputs, leaves, strict=True)
+                                 if isinstance(t, torch.Tensor) and c is not t}
+                try:
+                    with Collectives(*_NAMESPACES) as recorded:
+                        tape, expected = self._record(dargs, dkwargs)
+                        expected_grads = _vjp(expected, inputs, params)
+                finally:
+                    _STATE.copies = {}
                 if expected_grads:
                     tape.grads = _pending_grads(named, expected_grads[len(expected_grads) - len(named):])
                 _unconverted(tape)

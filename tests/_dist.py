@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from executor.collectives import Collectives
 
@@ -269,33 +270,98 @@ def _split_layers_evenly(pipeline: Any, pp: int) -> None:
     pipeline.stages[-1].modules.extend(after)
 
 
-def laid_out_and_issued(config: Any, layout: dict[str, Any], batch: int, seq: int) -> tuple[int, int]:
+class _Sized(Collectives):
+    """``Collectives`` that also keeps each collective's kind, bytes (``S`` as
+    ``cost_model.comm`` defines it) and group size, to price them as the plan would."""
+
+    def __init__(self) -> None:
+        super().__init__("_c10d_functional", "c10d")
+        self.sized: list[tuple[str, int, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if not isinstance(func, torch._ops.HigherOrderOperator) and func.namespace in self.namespaces:
+            name = func.__name__.split(".")[0]
+            if func.namespace == "_c10d_functional":  # (input, ..., group size, group name)
+                sized = {"all_reduce": lambda: ("all_reduce", _bytes(args[0]), _group_size(args[2])),
+                         "all_gather_into_tensor": lambda: ("all_gather", _bytes(args[0]) * args[1], args[1]),
+                         "reduce_scatter_tensor": lambda: ("reduce_scatter", _bytes(args[0]), args[2])}
+            else:  # c10d's: FSDP2's and replicate's
+                sized = {"allreduce_": lambda: ("all_reduce", sum(map(_bytes, args[0])), _group_size(args[1])),
+                         "_allgather_base_": lambda: ("all_gather", _bytes(args[0]), _group_size(args[2])),
+                         "_reduce_scatter_base_": lambda: ("reduce_scatter", _bytes(args[1]), _group_size(args[2]))}
+            if name in sized and not any(issubclass(t, DTensor) for t in types):
+                self.sized.append(sized[name]())
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_size(group: Any) -> int:
+    if isinstance(group, str):  # a functional collective's group name
+        return dist.distributed_c10d._resolve_process_group(group).size()
+    return (group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)).size()
+
+
+def _bandwidth_only(base: Any) -> Any:
+    """``base`` with every collective at 1 GB/s of bus bandwidth and nothing else: no
+    latency, DTensor host time, staging or fresh pages, no memory traffic (the local
+    chunks a resharding also costs), so a step's communication is its collectives' bytes
+    times their bus factors."""
+    from cost_model.profile import Profile
+
+    data = base.model_dump()
+    data["levels"] = [{**level, "latency_s": 0.0, "groups": [], "busbw": dict.fromkeys(level["busbw"], 1e9)}
+                      for level in data["levels"]]
+    data.update(name="bandwidth-only", memory_bandwidth=1e30, update_bandwidth=1e30, kernel_floor_s=0.0,
+                dtensor_redistribute_s=0.0, sync_cost=[], fresh_alloc_bytes=1 << 50, fresh_page_byte_s=0.0)
+    return Profile.model_validate(data)
+
+
+def laid_out_and_issued(config: Any, layout: dict[str, Any], batch: int, seq: int
+                        ) -> tuple[int, int, float, float]:
     """(the collectives ``planner.timeline`` lays out in one training step of ``config``
     under the hand ``layout`` on 4 devices, the collectives a forward and backward of it
-    under ``executor.apply`` issue), on the fake process group of 4 the caller set up.
+    under ``executor.apply`` issue, the step's communication seconds the plan prices
+    under ``_bandwidth_only``, the issued collectives priced so), on the fake process
+    group of 4 the caller set up.
 
     Laid out: the step priced with a profile whose ``sync_cost`` adds 1 ms to every
     collective, less the step priced without.  Issued: ``Collectives``' count (DTensor's,
     FSDP2's and replicate's) of the second call (the first lets local regions learn and
     checks the batch), after ``zero_grad`` as a training loop's optimizer step leaves the
-    gradients."""
+    gradients.  The seconds compare what the counts cannot: the collectives' sizes, and
+    their kinds where the bus factors differ (an all-reduce costs twice a reduce-scatter
+    of the same bytes)."""
     import executor
     import planner
+    from cost_model.comm import collective_time
     from cost_model.profile import Profile, load_profile
     from planner.presets import build_model, load_config
 
-    base = load_profile("cpu-gloo-local").model_dump()
+    base = load_profile("cpu-gloo-local")
     flat = [{"size": g, "held_s": 0.0, "points": [{"compute_s": 0.0, "added_s": 1e-3},
                                                    {"compute_s": 1.0, "added_s": 1e-3}]} for g in (2, 4)]
-    steps = [planner.hand_plan(config, 4, Profile.model_validate({**base, "name": name, "sync_cost": sync}),
-                               batch_size=batch, seq_len=seq, **layout)
-             for name, sync in (("flat", flat), ("none", []))]
+    profiles = [*(Profile.model_validate({**base.model_dump(), "name": name, "sync_cost": sync})
+                  for name, sync in (("flat", flat), ("none", []))), _bandwidth_only(base)]
+    steps = [planner.hand_plan(config, 4, profile, batch_size=batch, seq_len=seq, **layout) for profile in profiles]
     laid_out = round((steps[0].prediction.time.step_time_s - steps[1].prediction.time.step_time_s) / 1e-3)
-    executor.rng.manual_seed(0)
-    model = executor.apply(steps[1], build_model(load_config(config)).train())
-    ids = torch.zeros(batch, seq, dtype=torch.long)
-    model(input_ids=ids, labels=ids).loss.backward()
-    model.zero_grad()
-    with Collectives("_c10d_functional", "c10d") as comm:
+
+    def issued(step: Any) -> _Sized:
+        executor.rng.manual_seed(0)
+        model = executor.apply(step, build_model(load_config(config)).train())
+        ids = torch.zeros(batch, seq, dtype=torch.long)
         model(input_ids=ids, labels=ids).loss.backward()
-    return laid_out, comm.counts.total()
+        model.zero_grad()
+        with _Sized() as comm:
+            model(input_ids=ids, labels=ids).loss.backward()
+        return comm
+
+    comm = issued(steps[1])
+    # where the ILP settles a choice the hand layout leaves open otherwise without latency
+    # (Persimmon's), the bandwidth-only plan runs on its own
+    same = (steps[2].modules, steps[2].parameters) == (steps[1].modules, steps[1].parameters)
+    sized = (comm if same else issued(steps[2])).sized
+    issued_s = sum(collective_time(profiles[2], kind, nbytes, (n,), 0) for kind, nbytes, n in sized)
+    return laid_out, comm.counts.total(), steps[2].prediction.time.communication_s, issued_s
