@@ -359,8 +359,8 @@ def laid_out_and_issued(config: Any, layout: dict[str, Any], batch: int, seq: in
         return comm
 
     comm = issued(steps[1])
-    # where the ILP settles a choice the hand layout leaves open otherwise without latency
-    # (Persimmon's), the bandwidth-only plan runs on its own
+    # without latency the ILP may settle a choice the hand layout leaves open otherwise
+    # (Persimmon's); that plan then runs on its own
     same = (steps[2].modules, steps[2].parameters) == (steps[1].modules, steps[1].parameters)
     sized = (comm if same else issued(steps[2])).sized
     issued_s = sum(collective_time(profiles[2], kind, nbytes, (n,), 0) for kind, nbytes, n in sized)

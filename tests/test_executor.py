@@ -2023,9 +2023,10 @@ def test_the_planned_step_lays_out_the_collectives_the_executor_issues() -> None
     torch.distributed.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
     try:
         for name, config, layout, batch, seq in cases:
-            *counts[f"{name} {layout}"], planned_s, issued_s = laid_out_and_issued(config, layout, batch, seq)
+            laid, issued, planned_s, issued_s = laid_out_and_issued(config, layout, batch, seq)
+            counts[f"{name} {layout}"] = (laid, issued)
             seconds[f"{name} {layout}"] = round(planned_s / issued_s, 2)
     finally:
         torch.distributed.destroy_process_group()
-    assert {k: tuple(v) for k, v in counts.items() if v[0] != v[1]} == KNOWN_MISCOUNTS, counts
+    assert {k: v for k, v in counts.items() if v[0] != v[1]} == KNOWN_MISCOUNTS, counts
     assert {k: v for k, v in seconds.items() if v != 1.0} == KNOWN_MISPRICED, seconds
