@@ -1374,7 +1374,7 @@ def test_a_pending_sum_read_summed_and_split_is_priced_as_converted_once(monkeyp
     planner.hand_plan(_config("olmo2"), 4, "cpu-gloo-local", batch_size=8, seq_len=16, dp=2, tp=2, sp=True,
                       fsdp=True)
     ctx, units, tensor_map, sol = solved[-1]
-    embedding = next(t for t in tensor_map.values() if "P" in sol.choice[t.producer].out)
+    embedding = tensor_map["embedding"]  # keyed by its producer node
     moves = {(src, dst) for key, src, dst, _ in sol.edges if key == embedding.key}
     src = sol.choice[embedding.producer].out
     summed = tuple("R" if p == "P" else p for p in src)
