@@ -123,6 +123,7 @@ def tensors(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: di
     from planner.tracer import layer_weight
 
     kinds = layer_kinds(graph, canon)
+    batched = _batched(graph)
     out: dict[str, Tensor] = {}
     counted: set[tuple[str, str]] = set()
     exits: set[str] = set()
@@ -137,7 +138,8 @@ def tensors(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: di
             key = canon[u]
         t = out.get(key)
         if t is None:
-            shape = (d["shape"][0] * ctx.microbatch,) + tuple(d["shape"][1:]) if d["shape"] else ()
+            rows = d["shape"][0] * ctx.microbatch if u in batched else d["shape"][0]
+            shape = (rows,) + tuple(d["shape"][1:]) if d["shape"] else ()
             itemsize = max(1, round(d["itemsize"] * ctx.bytes_scale))
             t = out[key] = Tensor(key, unit_of[u], shape, itemsize, 0.0)
         if (key, u) not in counted:
@@ -154,6 +156,21 @@ def tensors(ctx: Context, graph: nx.DiGraph, units: dict[str, Unit], unit_of: di
         elif rest:  # no earlier layer of the kind to count with (not in a traced graph)
             out[u].weight += rest
     return out
+
+
+def _batched(graph: nx.DiGraph) -> set[str]:
+    """Nodes whose first dim is the batch, which ``tensors`` scales to the micro-batch (the
+    graph is traced at batch 1): those computed from the model's inputs (input_ids,
+    labels) or from a tensor the model makes with a leading 1, which at batch 1 may be
+    the batch (BioGPT's ``ones(batch, seq)`` attention mask, from which it counts its
+    positions).  The others hold no batch dim, whatever their first one: GPT-2's position
+    embeddings, ``[1, s, h]`` from ``arange(seq)``, broadcast over the batch in the add,
+    were priced as if they had one (their gradient's all-gather 8 times too large at a
+    batch of 8)."""
+    seeds = [n for n, d in graph.nodes(data=True)
+             if (d["kind"] == "placeholder" and d.get("param") is None)
+             or (d["kind"] != "placeholder" and graph.in_degree(n) == 0 and d["shape"][:1] == (1,))]
+    return set(seeds).union(*(nx.descendants(graph, n) for n in seeds))
 
 
 def leaves_run(kinds: dict[int, int], producer: int | None, consumer: int | None) -> bool:
