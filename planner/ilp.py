@@ -162,11 +162,10 @@ def _batched(graph: nx.DiGraph) -> set[str]:
     """Nodes whose first dim is the batch, which ``tensors`` scales to the micro-batch (the
     graph is traced at batch 1): those computed from the model's inputs (input_ids,
     labels) or from a tensor the model makes with a leading 1, which at batch 1 may be
-    the batch (BioGPT's ``ones(batch, seq)`` attention mask, from which it counts its
-    positions).  The others hold no batch dim, whatever their first one: GPT-2's position
-    embeddings, ``[1, s, h]`` from ``arange(seq)``, broadcast over the batch in the add,
-    were priced as if they had one (their gradient's all-gather 8 times too large at a
-    batch of 8)."""
+    the batch (BioGPT's ``ones(batch, seq)`` attention mask).  The others hold no batch
+    dim, whatever their first one: GPT-2's position embeddings, ``[1, s, h]`` from
+    ``arange(seq)``, broadcast over the batch in the add, were priced as if they had one
+    (their gradient's all-gather 8 times too large at a batch of 8)."""
     seeds = [n for n, d in graph.nodes(data=True)
              if (d["kind"] == "placeholder" and d.get("param") is None)
              or (d["kind"] != "placeholder" and graph.in_degree(n) == 0 and d["shape"][:1] == (1,))]
