@@ -346,6 +346,7 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
             ((lay, dims), z, lambda ctx, t, src, key: partial_grad_s(ctx, t, src, *key))
             for (lay, dims), z in partial.items()]
         for si, (src, vs) in enumerate(by_src.items()):
+            summed = summed_first(src, needed)
             for li, (lay, z, price) in enumerate(pairs):
                 cost = price(ctx, t, src, lay) * t.weight
                 if cost == 0.0:
@@ -359,7 +360,6 @@ def solve(ctx: Context, units: dict[str, Unit], tensor_map: dict[str, Tensor],
                 # converted from the summed form where that is needed too (summed_first): a
                 # discount d <= each of the three conditions, which the minimisation takes
                 # whenever all hold
-                summed = summed_first(src, needed)
                 if price is reshard_s and summed is not None and lay != summed:
                     saved = cost - reshard_s(ctx, t, summed, lay) * t.weight
                     if saved > 0.0:

@@ -99,14 +99,16 @@ def _redistributions(ctx: Context, graph: nx.DiGraph, units: Mapping[str, Unit],
             if key not in first or order[v] < order[first[key]]:
                 first[key] = v
             dims.setdefault(key, set()).update(partial_dims(ctx, units[c], sol.choice[c]))
+        # a pending sum its readers also need summed is converted from that (ilp.summed_first)
+        summed = {u: summed_first(src, {n for p, n in first if p == u}) for u, _ in first}
         for (u, need), v in first.items():
             d = [concrete(x, t.shape, ctx.seq_len) for x in need]
             if None in d:
                 continue
             lu, lv = graph.nodes[u].get("layer"), graph.nodes[v].get("layer")
             once = lu is None or leaves_run(kinds, lu, lv)
-            summed = summed_first(src, {n for p, n in first if p == u})
-            frm = s if summed is None or need == summed else [concrete(x, t.shape, ctx.seq_len) for x in summed]
+            via = summed[u]
+            frm = s if via is None or need == via else [concrete(x, t.shape, ctx.seq_len) for x in via]
             grad = ["P" if i in dims[u, need] else p for i, p in enumerate(d)]
             back = partial_gradient_target(frm, grad) if dims[u, need] else backward_placements(frm, grad)
             for events, groups in ((fwd, _groups(ctx, frm, d) if need != src else []),
