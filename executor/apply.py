@@ -645,6 +645,7 @@ def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,
         return tree_map_only(torch.Tensor, lambda t: local_regions.convert(t, resolve_partial), out)
 
     last = _Conversions()
+    model.register_forward_pre_hook(last.clear)
     for name, module in model.named_modules():
         layout = plan.layout_for(name)
         if layout is not None:  # first: a Partial output goes straight to the layout's
@@ -725,7 +726,11 @@ class _Conversions:
     plan priced.  Each result is held while its source lives (a weak reference to the
     source drops the entry), so a hit does not depend on what the first consumer keeps:
     a local region's replay, a recomputation and ``no_grad`` hit as a recording does.
-    A conversion that changes nothing (a child reading its parent's converted input) is
+    The entries go when the model's next forward starts (``clear``): a result that is a
+    view of its source (Megatron's ``f``, a slice to a sequence shard) keeps the source
+    alive, so its weak reference never fired, and each step kept the last one's converted
+    tensors and their autograd graph for good (the fidelity bench's TP Llama grew by
+    ~30 MB per step and rank).  A conversion that changes nothing (a child reading its parent's converted input) is
     not kept: its readers may see it behind a wrapper of their own (a module's full
     backward hooks wrap its inputs, as CommDebugMode's tracker has them do), and a hit
     the recording had and the replay misses crosses a boundary the tape lacks."""
@@ -753,6 +758,11 @@ class _Conversions:
                                 target, out)
         self._made[id(out)] = target
         return out
+
+    def clear(self, *_: Any) -> None:
+        """Forget every conversion (a forward pre-hook of the model: none outlives its step)."""
+        self._entries.clear()
+        self._made.clear()
 
     def _drop_id(self, key: int) -> None:
         entry = self._entries.pop(key, None)
