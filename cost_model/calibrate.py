@@ -743,6 +743,12 @@ def timed_between_compute(
 
 SYNC_CHUNKS = (0, 1, 4, 12)  # compute before each synchronisation timed, in calibrate's chunks
 SYNC_REPEATS = 7
+# The points at no compute and at one chunk are repeated this many times as often: every
+# collective's price is corrected against the one-chunk point (``sync_correction``), so
+# its noise shifts all of a step's collectives alike, and their loops take a tenth of
+# the longer ones' time.  With 7 repeats the one-chunk point of pairs ranged 1.4-3.0 ms
+# over the fidelity bench's runs 104-109 (docs/fidelity_log.md, session 46).
+SHORT_SYNC_TIMES = 4
 Sync = tuple[float, float]  # the ranks' mean compute s, what the all-reduce added s
 
 
@@ -755,8 +761,9 @@ def sync_samples(chunk: Callable[[], None], groups: dict[int, dist.ProcessGroup 
     [compute] and ``iterations`` x [compute, all-reduce] after a barrier, and the
     all-reduce's time is the difference of the slowest rank's loops per iteration.  Only
     the compute's length varies, so at one chunk this is what the fitted constants hold.
-    Per repeat also the ranks' mean compute per iteration.  The same on every rank; call
-    it on every rank."""
+    ``repeats`` per length, ``SHORT_SYNC_TIMES`` as many at 0 and 1 chunk, the lengths
+    interleaved within each round so that load drift hits them alike.  Per repeat also
+    the ranks' mean compute per iteration.  The same on every rank; call it on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def loop(chunks: int, sync: Callable[[], object] | None) -> float:
@@ -769,19 +776,24 @@ def sync_samples(chunk: Callable[[], None], groups: dict[int, dist.ProcessGroup 
                 sync()
         return time.perf_counter() - t0
 
+    counts = {k: repeats * (SHORT_SYNC_TIMES if k <= 1 else 1) for k in SYNC_CHUNKS}
     out: dict[int, dict[int, list[Sync]]] = {}
     for g, group in groups.items():
         tiny = _collective("all_reduce", 4, g, rank % g, group)
         tiny()
+        loops: dict[int, list[float]] = {k: [] for k in SYNC_CHUNKS}
+        for r in range(max(counts.values(), default=0)):
+            for k in SYNC_CHUNKS:
+                if r < counts[k]:
+                    loops[k] += [loop(k, None), loop(k, tiny)]
         for k in SYNC_CHUNKS:
-            own = torch.tensor([loop(k, sync) for _ in range(repeats) for sync in (None, tiny)],
-                               dtype=torch.float64)
+            own = torch.tensor(loops[k], dtype=torch.float64)
             every = [torch.zeros_like(own) for _ in range(world)]
             dist.all_gather(every, own)
             table = torch.stack(every)
             a, b = table[:, 0::2], table[:, 1::2]  # ranks x repeats
             out.setdefault(g, {})[k] = [(float(a[:, r].mean()) / iterations,
-                                         float(b[:, r].max() - a[:, r].max()) / iterations) for r in range(repeats)]
+                                         float(b[:, r].max() - a[:, r].max()) / iterations) for r in range(counts[k])]
     return out
 
 
@@ -1165,7 +1177,8 @@ def profile_from_job(
         f"{_repeats(32 * 2**20)} from 32 MB), "
         f"latency and busbw fitted per group size (groups) and over all sizes (level default) "
         f"to the times less the fresh pages of gloo's staging buffer; sync_cost: a 4-byte all-reduce "
-        f"timed the same way between {list(SYNC_CHUNKS)} chunks, median of {SYNC_REPEATS} repeats; "
+        f"timed the same way between {list(SYNC_CHUNKS)} chunks, median of {SYNC_REPEATS} repeats ({SYNC_REPEATS * SHORT_SYNC_TIMES} at 0 and 1), "
+        f"interleaved; "
         f"median relative error of the collective model {error:.0%}"
     )})
     return profile
