@@ -646,6 +646,7 @@ def _register_activation_hooks(model: nn.Module, mesh: DeviceMesh, plan: Plan,
 
     last = _Conversions()
     model.register_forward_pre_hook(last.clear)
+    model.register_forward_hook(last.clear)
     for name, module in model.named_modules():
         layout = plan.layout_for(name)
         if layout is not None:  # first: a Partial output goes straight to the layout's
@@ -726,14 +727,16 @@ class _Conversions:
     plan priced.  Each result is held while its source lives (a weak reference to the
     source drops the entry), so a hit does not depend on what the first consumer keeps:
     a local region's replay, a recomputation and ``no_grad`` hit as a recording does.
-    The entries go when the model's next forward starts (``clear``): a result that is a
-    view of its source (Megatron's ``f``, a slice to a sequence shard) keeps the source
-    alive, so its weak reference never fired, and each step kept the last one's converted
-    tensors and their autograd graph for good (the fidelity bench's TP Llama grew by
-    ~30 MB per step and rank).  A conversion that changes nothing (a child reading its parent's converted input) is
-    not kept: its readers may see it behind a wrapper of their own (a module's full
-    backward hooks wrap its inputs, as CommDebugMode's tracker has them do), and a hit
-    the recording had and the replay misses crosses a boundary the tape lacks."""
+    The entries go when the model's forward starts and when it returns (``clear``): a
+    result that is a view of its source (Megatron's ``f``, a slice to a sequence shard)
+    keeps the source alive, so its weak reference never fired, and each step kept the
+    last one's converted tensors and their autograd graph for good (the fidelity bench's
+    TP Llama grew by ~30 MB per step and rank).  A checkpointed block's recomputation in
+    backward fills the cache anew; the next forward empties it.  A conversion that
+    changes nothing (a child reading its parent's converted input) is not kept: its
+    readers may see it behind a wrapper of their own (a module's full backward hooks wrap
+    its inputs, as CommDebugMode's tracker has them do), and a hit the recording had and
+    the replay misses crosses a boundary the tape lacks."""
 
     def __init__(self) -> None:
         # id(source) -> (source, its version then, placements, result); id(result) -> placements
@@ -760,7 +763,7 @@ class _Conversions:
         return out
 
     def clear(self, *_: Any) -> None:
-        """Forget every conversion (a forward pre-hook of the model: none outlives its step)."""
+        """Forget every conversion (hooks of the model's forward: none outlives it)."""
         self._entries.clear()
         self._made.clear()
 

@@ -1389,7 +1389,8 @@ def test_a_training_step_keeps_nothing_of_the_step_before() -> None:
     it, which kept its source alive, so the cache never let go: every step kept the last
     one's normed hidden state and its autograd graph for good (the fidelity bench's
     4-rank TP Llama: ~30 MB more per step and rank, and the pages faulted in again each
-    step).  A step's tensors now go when the next forward starts."""
+    step).  The cache is now emptied when the forward returns: after its backward, nothing
+    of a step is left."""
     torch.distributed.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
         executor.rng.manual_seed(SEED)
@@ -1405,7 +1406,7 @@ def test_a_training_step_keeps_nothing_of_the_step_before() -> None:
             optimizer.step()
             optimizer.zero_grad()
         gc.collect()
-        assert [ref() is None for ref in normed[:-1]] == [True, True]
+        assert [ref() is None for ref in normed] == [True, True, True]
     finally:
         torch.distributed.destroy_process_group()
 
