@@ -782,7 +782,7 @@ def sync_samples(chunk: Callable[[], None], groups: dict[int, dist.ProcessGroup 
         tiny = _collective("all_reduce", 4, g, rank % g, group)
         tiny()
         loops: dict[int, list[float]] = {k: [] for k in SYNC_CHUNKS}
-        for r in range(max(counts.values(), default=0)):
+        for r in range(max(counts.values())):
             for k in SYNC_CHUNKS:
                 if r < counts[k]:
                     loops[k] += [loop(k, None), loop(k, tiny)]

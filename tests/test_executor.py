@@ -1382,7 +1382,7 @@ def test_a_loop_that_leaves_use_cache_alone_trains_on_local_shards() -> None:
             model(input_ids=ids, use_cache=True)
 
 
-def test_a_training_step_keeps_nothing_of_the_step_before() -> None:
+def test_nothing_of_a_training_step_outlives_its_backward() -> None:
     """The layout hooks cache each conversion of a module's input while its source lives,
     for the next module that reads it.  Megatron's ``f`` on the final norm's replicated
     output (the column-parallel lm_head's input under TorchTitan's tp plan) is a view of
